@@ -1,0 +1,206 @@
+"""One decoder for Llama, Qwen2, Qwen3 and Mistral, in stage order.
+
+config -> params -> rope/norm -> attention inputs -> block -> forward over the stack.
+
+Per-layer params are stacked on a leading layer axis so one `jax.lax.scan` runs the stack.
+The functions here are the model's math only; the paged cache and decode-time attention
+(dense or sparse) live in `sparsejax`, which calls `attention_inputs` / `finish_layer` per layer.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, rope_inv_freq
+
+Params = dict[str, Any]
+
+
+@flax.struct.dataclass
+class Model:
+    config: ModelConfig = flax.struct.field(pytree_node=False)
+    params: Params
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+
+# ---- params ---------------------------------------------------------------------------------
+def param_shapes(config: ModelConfig) -> Params:
+    """Shapes of every parameter (the stacked layout). Optional tensors appear only when used."""
+    c = config
+    L, H, Q, K, D, I = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                        c.intermediate_size)
+    layers = {
+        "attn_norm": (L, H), "wq": (L, H, Q, D), "wk": (L, H, K, D), "wv": (L, H, K, D),
+        "wo": (L, Q, D, H), "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I),
+        "w_down": (L, I, H),
+    }
+    if c.qkv_bias:
+        layers.update(bq=(L, Q, D), bk=(L, K, D), bv=(L, K, D))
+    if c.o_bias:
+        layers["bo"] = (L, H)
+    if c.qk_norm:
+        layers.update(q_norm=(L, D), k_norm=(L, D))
+    shapes = {"embed": (c.vocab_size, H), "final_norm": (H,), "layers": layers}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (H, c.vocab_size)
+    return shapes
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random params as HF initialises them: normal(std) matrices, zero biases, unit norms."""
+    shapes = param_shapes(config)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name in ("bq", "bk", "bv", "bo"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# ---- norm and rope --------------------------------------------------------------------------
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32, cast back before the weight (as transformers does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_angles(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [..., head_dim] in fp32 for integer positions [...]."""
+    inv_freq = jnp.asarray(rope_inv_freq(config), jnp.float32)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [..., heads, D] with cos/sin [..., D] (HF's rotate_half convention)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    out = x.astype(jnp.float32) * cos[..., None, :] + rotated.astype(jnp.float32) * sin[..., None, :]
+    return out.astype(x.dtype)
+
+
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ---- one block ------------------------------------------------------------------------------
+def attention_inputs(config: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
+    """Pre-norm, q/k/v projections, optional bias and q/k norm, RoPE.
+
+    h [..., H], positions [...] -> q [..., HQ, D], k [..., HK, D], v [..., HK, D]
+    """
+    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    q = _dot("...h,hnd->...nd", x, lp["wq"])
+    k = _dot("...h,hnd->...nd", x, lp["wk"])
+    v = _dot("...h,hnd->...nd", x, lp["wv"])
+    if config.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    if config.qk_norm:
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+    cos, sin = rope_angles(config, positions)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def finish_layer(config: ModelConfig, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
+    """Output projection + residual, then the SwiGLU MLP block + residual.
+
+    h [..., H], attn [..., HQ, D] -> h [..., H]
+    """
+    h = h + attention_projection(config, lp, attn)
+    x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
+    gate = _dot("...h,hi->...i", x, lp["w_gate"])
+    up = _dot("...h,hi->...i", x, lp["w_up"])
+    return h + _dot("...i,ih->...h", jax.nn.silu(gate) * up, lp["w_down"])
+
+
+def attention_projection(config: ModelConfig, lp: Params, attn: jax.Array) -> jax.Array:
+    """attn [..., HQ, D] -> [..., H] (o_proj)."""
+    out = _dot("...nd,ndh->...h", attn.astype(lp["wo"].dtype), lp["wo"])
+    return out + lp["bo"] if config.o_bias else out
+
+
+def embed(model: Model, tokens: jax.Array) -> jax.Array:
+    return jnp.take(model.params["embed"], tokens, axis=0)
+
+
+def unembed(model: Model, h: jax.Array) -> jax.Array:
+    """Final norm and LM head -> float32 logits [..., vocab]."""
+    p, c = model.params, model.config
+    x = rms_norm(h, p["final_norm"], c.rms_norm_eps)
+    w = p["embed"].T if c.tie_word_embeddings else p["lm_head"]
+    return jnp.einsum("...h,hv->...v", x, w, preferred_element_type=jnp.float32)
+
+
+# ---- full-sequence forward ------------------------------------------------------------------
+class ForwardOutput(NamedTuple):
+    hidden: jax.Array        # [B, T, H] final hidden states (before the final norm)
+    keys: jax.Array          # [L, B, T, HK, D] post-RoPE keys, for the KV cache
+    values: jax.Array        # [L, B, T, HK, D]
+    query_means: jax.Array   # [L, B, HQ, D] fp32 mean post-RoPE query over each row's length
+
+
+def forward(model: Model, input_ids: jax.Array, lengths: jax.Array | None = None) -> ForwardOutput:
+    """Dense causal forward of right-padded rows `input_ids [B, T]` with true `lengths [B]`.
+
+    Attention is `jax.nn.dot_product_attention` (cuDNN on GPU for bf16/f16, XLA otherwise).
+    Positions at or past a row's length compute garbage that no valid position reads.
+    """
+    c = model.config
+    B, T = input_ids.shape
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    valid = (positions < lengths[:, None]).astype(jnp.float32)
+
+    def layer(h, lp):
+        with jax.named_scope("attention"):
+            q, k, v = attention_inputs(c, lp, h, positions)
+            attn = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, key_value_seq_lengths=lengths.astype(jnp.int32))
+            q_mean = jnp.einsum("btnd,bt->bnd", q.astype(jnp.float32), valid) / jnp.maximum(
+                lengths, 1)[:, None, None].astype(jnp.float32)
+        with jax.named_scope("mlp"):
+            h = finish_layer(c, lp, h, attn)
+        return h, (k, v, q_mean)
+
+    h = embed(model, input_ids)
+    h, (ks, vs, q_means) = jax.lax.scan(layer, h, model.params["layers"])
+    return ForwardOutput(h, ks, vs, q_means)
+
+
+def logits(model: Model, input_ids: jax.Array) -> jax.Array:
+    """Dense full-sequence forward -> float32 logits [B, T, vocab]."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if input_ids.ndim != 2:
+        raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq]")
+    model.config.check_context(input_ids.shape[1])
+    return _logits(model, input_ids)
+
+
+@jax.jit
+def _logits(model: Model, input_ids: jax.Array) -> jax.Array:
+    return unembed(model, forward(model, input_ids).hidden)
+
+
+def cast_params(params: Params, dtype) -> Params:
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def num_params(params: Params) -> int:
+    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))

@@ -1,0 +1,204 @@
+"""Hugging Face checkpoints <-> stacked params.
+
+Reads `config.json` and `model.safetensors` or a sharded `model.safetensors.index.json`, maps
+every HF tensor onto the stacked layout of `decoder.param_shapes` and validates every shape.
+The same table writes a checkpoint back (`save_pretrained`), so exports load in transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from .config import ModelConfig
+from .decoder import Model, Params, param_shapes
+
+# HF tensors that carry no parameters (older checkpoints store RoPE buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _hf_layout(c: ModelConfig) -> dict[str, tuple[str, Callable, Callable]]:
+    """our param key -> (HF name with {i} for the layer, hf->ours, ours->hf) per layer tensor."""
+    H, Q, K, D = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    t = lambda w: w.T  # noqa: E731  (HF Linear stores [out, in])
+    layout = {
+        "attn_norm": ("model.layers.{i}.input_layernorm.weight", None, None),
+        "wq": ("model.layers.{i}.self_attn.q_proj.weight",
+               lambda w: w.T.reshape(H, Q, D), lambda w: w.reshape(H, Q * D).T),
+        "wk": ("model.layers.{i}.self_attn.k_proj.weight",
+               lambda w: w.T.reshape(H, K, D), lambda w: w.reshape(H, K * D).T),
+        "wv": ("model.layers.{i}.self_attn.v_proj.weight",
+               lambda w: w.T.reshape(H, K, D), lambda w: w.reshape(H, K * D).T),
+        "wo": ("model.layers.{i}.self_attn.o_proj.weight",
+               lambda w: w.T.reshape(Q, D, H), lambda w: w.reshape(Q * D, H).T),
+        "bq": ("model.layers.{i}.self_attn.q_proj.bias",
+               lambda w: w.reshape(Q, D), lambda w: w.reshape(Q * D)),
+        "bk": ("model.layers.{i}.self_attn.k_proj.bias",
+               lambda w: w.reshape(K, D), lambda w: w.reshape(K * D)),
+        "bv": ("model.layers.{i}.self_attn.v_proj.bias",
+               lambda w: w.reshape(K, D), lambda w: w.reshape(K * D)),
+        "bo": ("model.layers.{i}.self_attn.o_proj.bias", None, None),
+        "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", None, None),
+        "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", None, None),
+        "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None, None),
+        "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", t, t),
+        "w_up": ("model.layers.{i}.mlp.up_proj.weight", t, t),
+        "w_down": ("model.layers.{i}.mlp.down_proj.weight", t, t),
+    }
+    return layout
+
+
+_TOP = {"embed": ("model.embed_tokens.weight", None, None),
+        "final_norm": ("model.norm.weight", None, None),
+        "lm_head": ("lm_head.weight", lambda w: w.T, lambda w: w.T)}
+
+
+def _hf_shape(fn, ours_shape):
+    """The HF shape of a tensor whose stacked-layer slice has `ours_shape`."""
+    return ours_shape if fn is None else fn(np.empty(ours_shape, np.int8)).shape
+
+
+# ---- reading --------------------------------------------------------------------------------
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {name: path / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.exists():
+                raise ValueError(f"{index} lists shard {f.name}, which does not exist")
+        return files
+    if single.exists():
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> Params:
+    path = Path(path)
+    files = _tensor_files(path)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+    shapes = param_shapes(config)
+    layout = _hf_layout(config)
+    opened: dict[Path, object] = {}
+    used: set[str] = set()
+
+    def read(name: str, fn, to_hf, expected: tuple[int, ...]) -> np.ndarray:
+        if name not in files:
+            raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
+        f = files[name]
+        if f not in opened:
+            opened[f] = safe_open(f, framework="numpy")
+        w = opened[f].get_tensor(name)
+        hf_expected = _hf_shape(to_hf, expected)
+        if tuple(w.shape) != tuple(hf_expected):
+            raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}; "
+                             f"config.json implies {tuple(hf_expected)}")
+        used.add(name)
+        w = w.astype(np_dtype)
+        return w if fn is None else fn(w)
+
+    params: Params = {"layers": {}}
+    for key, shape in shapes["layers"].items():
+        hf_name, to_ours, to_hf = layout[key]
+        params["layers"][key] = jnp.asarray(np.stack(
+            [read(hf_name.format(i=i), to_ours, to_hf, shape[1:])
+             for i in range(config.num_layers)]))
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in shapes:
+            hf_name, to_ours, to_hf = _TOP[key]
+            params[key] = jnp.asarray(read(hf_name, to_ours, to_hf, shapes[key]))
+    extra = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+             and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+    if extra:
+        raise ValueError(f"checkpoint {path} has tensors this {config.model_type} config does not "
+                         f"use: {sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
+    return params
+
+
+def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16) -> Model:
+    """Load a Hugging Face checkpoint directory (config.json + safetensors) into a `Model`."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"{path} has no config.json")
+    config = ModelConfig.from_json(path / "config.json")
+    return Model(config=config, params=load_params(path, config, dtype))
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer through transformers' AutoTokenizer (local files only)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+# ---- writing --------------------------------------------------------------------------------
+def hf_state_dict(model: Model) -> dict[str, np.ndarray]:
+    """HF tensor name -> numpy array (in the params' dtype)."""
+    c, p = model.config, model.params
+    layout = _hf_layout(c)
+    out = {}
+    for key, stacked in p["layers"].items():
+        hf_name, _, to_hf = layout[key]
+        arr = np.asarray(stacked)
+        for i in range(c.num_layers):
+            w = arr[i]
+            out[hf_name.format(i=i)] = np.ascontiguousarray(w if to_hf is None else to_hf(w))
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in p:
+            hf_name, _, to_hf = _TOP[key]
+            w = np.asarray(p[key])
+            out[hf_name] = np.ascontiguousarray(w if to_hf is None else to_hf(w))
+    return out
+
+
+def save_pretrained(model: Model, path: str | Path, *, max_shard_bytes: int | None = None) -> Path:
+    """Write config.json + safetensors (sharded with an index past `max_shard_bytes`).
+
+    Files are written to a temporary directory beside `path` and moved in only when complete,
+    so an interrupted save never leaves a half-written checkpoint.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = hf_state_dict(model)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, w in tensors.items():
+        if max_shard_bytes and shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    with tempfile.TemporaryDirectory(dir=path, prefix=".tmp-save-") as tmp:
+        tmp = Path(tmp)
+        config = model.config.to_hf_dict()
+        config["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            total = sum(w.nbytes for w in tensors.values())
+            for n, shard in enumerate(shards, 1):
+                fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name in shard})
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        for stale in ("model.safetensors", "model.safetensors.index.json"):
+            (path / stale).unlink(missing_ok=True)
+        for stale in path.glob("model-*-of-*.safetensors"):
+            stale.unlink()
+        for f in tmp.iterdir():
+            os.replace(f, path / f.name)
+    return path
