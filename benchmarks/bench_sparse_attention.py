@@ -1,0 +1,351 @@
+"""Sparse gather decode attention on one GPU: time vs the HBM floor of the bytes gathered and
+vs cuDNN dense attention at the same context, measured in the same run.
+
+Cases (bf16, HQ=32, HK=8, D=128, P=16, every row at the full context):
+  kascade  reuse layer: B=64, 10% of tokens per KV head, token unit, G=HK, many-to-one head
+           map; 8k/32k/128k; also the naive XLA gather (take rows, then attention).
+  delta    sparse layer: B=64, 64 pages of 16 shared by all heads (G=1, unit=P); 32k/128k.
+  lychee   hybrid layer: B=8, 128k, 64-token blocks, sparse heads keep 10% of blocks
+           (LycheeDecode's kernel setting: 90% sparsity, block 64), 0/1/2/4 of 8 KV heads dense.
+Each case is first checked natively against the reference; a wrong case is reported and
+skipped. Each family sweeps a few tuning configs at one size and uses the best for the rest.
+Every kernel is also timed with RESA `prior_query` set (target <= 1.15x without).
+
+  python benchmarks/bench_sparse_attention.py            # H200, < 5 minutes
+  python benchmarks/bench_sparse_attention.py --smoke    # tiny shapes, CPU interpret mode
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")  # 128k B=64: 2 x 34 GB live
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import harness  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kernel_checks import max_row_rel_error  # noqa: E402
+
+from sparsejax.pallas_kernels.sparse_attention import (  # noqa: E402
+    _default_tuning,
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
+
+NAME = "sparse_attention"
+HQ, HK, D, P = 32, 8, 128, 16
+DTYPE = jnp.bfloat16
+BYTES = 2  # bf16
+HEAD_MAP = np.array([3, 3, 0, 5, 5, 1, 7, 7], np.int32)  # many-to-one, not the identity
+SWEEP = [  # (block_n, split scale vs the default rule, num_warps, num_stages)
+    (64, 1, 4, 2), (32, 1, 4, 2), (128, 1, 8, 2), (64, 1, 4, 3),
+    (64, 1, 4, 1), (64, 0.25, 4, 2), (64, 0.5, 4, 2), (64, 2, 4, 2),
+]
+TIME_BUDGET_S = 270  # sweeps stop early, and later families are skipped, past this
+COLUMNS = ("case", "context", "batch", "ms", "floor_ms", "peer_ms", "ratio_to_floor",
+           "ratio_to_peer", "ratio_to_no_prior", "out_err")
+
+
+class Bench:
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.interpret = smoke
+        self.rows: list[dict] = []
+        self.cudnn_ms: dict[tuple[int, int], float] = {}
+        self.key = jax.random.key(0)
+        self.deadline = time.monotonic() + TIME_BUDGET_S
+        if smoke:
+            self.hq, self.hk, self.d, self.p = 8, 2, 64, 8
+        else:
+            self.hq, self.hk, self.d, self.p = HQ, HK, D, P
+
+    def rand(self, shape, dtype=DTYPE):
+        """Normal samples, made in slices of <= 2**28 so that no RNG temporary is large."""
+        self.key, sub = jax.random.split(self.key)
+        size, slices = int(np.prod(shape)), 1
+        while size // slices > 2**28 and size % (2 * slices) == 0:
+            slices *= 2
+        make = jax.jit(lambda keys: jax.lax.map(
+            lambda k: jax.random.normal(k, (size // slices,), dtype), keys).reshape(shape))
+        return make(jax.random.split(sub, slices))
+
+    def time(self, fn, *args) -> float:
+        if self.smoke:
+            return harness.time_ms(fn, *args, calls=1, repeats=1, warmup=1)
+        return harness.time_ms(fn, *args, calls=20, repeats=5)
+
+    def cache(self, batch: int, context: int):
+        """Paged cache with every row at full length and a shuffled page table."""
+        pages = batch * context // self.p
+        k_pages = self.rand((pages, self.hk, self.p, self.d))
+        v_pages = self.rand((pages, self.hk, self.p, self.d))
+        rng = np.random.default_rng(context + batch)
+        page_table = jnp.asarray(rng.permutation(pages).reshape(batch, -1), jnp.int32)
+        lengths = jnp.full((batch,), context, jnp.int32)
+        return self.rand((batch, self.hq, self.d)), k_pages, v_pages, page_table, lengths
+
+    def selection(self, batch, groups, num_units, k):
+        """Sorted, unique random units per (row, group), all k valid."""
+        rng = np.random.default_rng(num_units + k)
+        idx = [np.sort(rng.choice(num_units, k, replace=False)) for _ in range(batch * groups)]
+        return (jnp.asarray(np.reshape(idx, (batch, groups, k)), jnp.int32),
+                jnp.full((batch, groups), k, jnp.int32))
+
+    def cudnn(self, batch: int, context: int) -> float:
+        """cuDNN dense decode at this context (contiguous K/V), freed before returning."""
+        if (batch, context) not in self.cudnn_ms:
+            q = self.rand((batch, 1, self.hq, self.d))
+            k = self.rand((batch, context, self.hk, self.d))
+            v = self.rand((batch, context, self.hk, self.d))
+            impl = None if self.smoke else "cudnn"
+            fn = harness.compiled(lambda *a: jax.nn.dot_product_attention(
+                *a, implementation=impl), q, k, v)
+            self.cudnn_ms[(batch, context)] = self.time(fn, q, k, v)
+            for x in (q, k, v):
+                x.delete()
+        return self.cudnn_ms[(batch, context)]
+
+    def kernel(self, args, opts, tuning):
+        """The AOT-compiled kernel; with 8 args the last one is the RESA prior query."""
+        def call(*a):
+            prior = {"prior_query": a[7]} if len(a) == 8 else {}
+            return sparse_decode_attention(*a[:7], **opts, **prior, backend="pallas",
+                                           interpret=self.interpret, **tuning)
+        return harness.compiled(call, *args)
+
+    def check(self, case, args, opts, kernel_with_prior) -> dict:
+        """Native kernel vs reference (out, lse and the RESA prior); raises when wrong."""
+        got = kernel_with_prior(*args)
+        want = jax.jit(lambda *a: sparse_decode_attention_reference(
+            *a[:7], **opts, prior_query=a[7]))(*args)
+        err = {"out_err": max_row_rel_error(got.out, want.out),
+               "lse_err": float(jnp.max(jnp.abs(got.lse - want.lse))),
+               "prior_err": max_row_rel_error(got.prior[1], want.prior[1]),
+               "prior_lse_err": float(jnp.max(jnp.abs(got.prior[0] - want.prior[0])))}
+        print(f"  check {case}: " + " ".join(f"{k}={v:.2e}" for k, v in err.items()))
+        if not (err["out_err"] <= 1e-2 and err["prior_err"] <= 1e-2
+                and err["lse_err"] <= 1e-3 and err["prior_lse_err"] <= 1e-3):
+            raise AssertionError(f"{case}: kernel disagrees with the reference: {err}")
+        return {k: float(f"{v:.3g}") for k, v in err.items()}
+
+    def tuning_for(self, args, opts, config) -> dict:
+        """A sweep config at this size: the split is a multiple of the default rule's."""
+        block_n, scale, warps, stages = config
+        q, indices = args[0], args[5]
+        row_groups = q.shape[0] * self.hk  # no case here selects per query head
+        dense_tokens = args[3].shape[1] * self.p if "dense_heads" in opts else 0
+        split = _default_tuning(self.d, row_groups, indices.shape[2] * opts["unit"],
+                                dense_tokens)["split_tokens"]
+        split = max(block_n, int(split * scale) // block_n * block_n)
+        return {"block_n": block_n, "split_tokens": split, "num_warps": warps,
+                "num_stages": stages}
+
+    def sweep(self, family, args, opts, floor) -> tuple:
+        """Times each config at one size; returns the best (block_n, scale, warps, stages)."""
+        configs = SWEEP[:2] if self.smoke else SWEEP
+        tried = []
+        for config in configs:
+            if tried and time.monotonic() > self.deadline - 120:
+                print(f"  sweep {family}: stopped early (time budget)")
+                break
+            tuning = self.tuning_for(args, opts, config)
+            try:
+                ms = self.time(self.kernel(args, opts, tuning), *args)
+            except Exception as e:  # a config that fails to compile is recorded, not fatal
+                print(f"  sweep {family} {tuning}: failed: {type(e).__name__}: {e}")
+                tried.append({**tuning, "ms": None, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            print(f"  sweep {family} {tuning}: {ms:.4f} ms ({ms / floor:.2f}x floor)")
+            tried.append({**tuning, "ms": round(ms, 4)})
+        ok = [t for t in tried if t["ms"] is not None]
+        if not ok:
+            raise RuntimeError(f"{family}: every tuning config failed: {tried}")
+        best = min(ok, key=lambda t: t["ms"])
+        self.rows.append(harness.row(f"{family}/sweep", context=int(args[4][0]),
+                                     batch=args[0].shape[0], ms=best["ms"], floor=floor,
+                                     configs_tried=tried, best=best))
+        return configs[tried.index(best)]
+
+    def measure(self, case, context, batch, args, opts, config, floor, gathered_tokens, **extra):
+        """Checks, then times the kernel with and without the prior; appends two rows."""
+        tuning = self.tuning_for(args, opts, config)
+        args_prior = (*args, args[0] * 0.5)
+        try:
+            with_prior = self.kernel(args_prior, opts, tuning)
+            err = self.check(case, args_prior, opts, with_prior)
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!!! {case} at {context}: SKIPPED, {type(e).__name__}: {e}")
+            self.rows.append(error_row(case, context, batch, e))
+            return None
+        peer_ms = self.cudnn(batch, context)
+        ms = self.time(self.kernel(args, opts, tuning), *args)
+        ms_prior = self.time(with_prior, *args_prior)
+        common = dict(context=context, batch=batch, floor=floor, peer="cudnn", peer_ms=peer_ms,
+                      tuning=tuning, gathered_tokens_per_head=gathered_tokens, **err, **extra)
+        self.rows.append(harness.row(case, ms=ms, speedup_vs_peer=round(peer_ms / ms, 2),
+                                     **common))
+        self.rows.append(harness.row(case + "+prior", ms=ms_prior,
+                                     ratio_to_no_prior=round(ms_prior / ms, 3), **common))
+        return ms
+
+    # --- case families -------------------------------------------------------------------
+
+    def kascade(self):
+        batch = 2 if self.smoke else 64
+        contexts = [256, 512] if self.smoke else [8192, 32768, 131072]
+        sweep_at = contexts[1]
+        order = [sweep_at] + [c for c in contexts if c != sweep_at]
+        config = SWEEP[0]
+        head_map = jnp.asarray(HEAD_MAP[:self.hk] % self.hk, jnp.int32)
+        for context in order:
+            k = max(1, context // 10)
+            self.cudnn(batch, context)  # before the paged cache: only one big cache lives
+            q, k_pages, v_pages, page_table, lengths = self.cache(batch, context)
+            indices, count = self.selection(batch, self.hk, context, k)
+            args = (q, k_pages, v_pages, page_table, lengths, indices, count)
+            opts = {"unit": 1, "head_map": head_map}
+            floor = harness.floor_ms(batch * self.hk * k * 2 * self.d * BYTES)
+            if context == sweep_at:
+                config = self.sweep("kascade", args, opts, floor)
+            ms = self.measure("kascade", context, batch, args, opts, config, floor, k)
+            if ms is not None:
+                gather = harness.compiled(self.xla_gather, q, k_pages, v_pages, page_table,
+                                          indices, head_map)
+                xla_ms = self.time(gather, q, k_pages, v_pages, page_table, indices, head_map)
+                self.rows.append(harness.row("kascade/xla_gather", context=context, batch=batch,
+                                             ms=xla_ms, floor=floor, peer="sparse_kernel",
+                                             peer_ms=ms))
+            for x in (q, k_pages, v_pages):
+                x.delete()
+
+    def xla_gather(self, q, k_pages, v_pages, page_table, indices, head_map):
+        """Naive XLA: take the selected K/V rows of every KV head, then attention."""
+        batch = q.shape[0]
+        pos = indices[:, head_map]  # [B, HK, K]
+        pages = jnp.take_along_axis(page_table[:, None, :], pos // self.p, axis=2)
+        heads = jnp.arange(self.hk)[None, :, None]
+        k = k_pages[pages, heads, pos % self.p]  # [B, HK, K, D]
+        v = v_pages[pages, heads, pos % self.p]
+        qg = q.reshape(batch, self.hk, -1, self.d)
+        s = jnp.einsum("bhgd,bhkd->bhgk", qg, k, preferred_element_type=jnp.float32)
+        w = jax.nn.softmax(s / np.sqrt(self.d), axis=-1)
+        out = jnp.einsum("bhgk,bhkd->bhgd", w.astype(v.dtype), v)
+        return out.reshape(q.shape)
+
+    def delta(self):
+        batch = 2 if self.smoke else 64
+        contexts = [256, 512] if self.smoke else [32768, 131072]
+        n_pages = 8 if self.smoke else 64
+        config = SWEEP[0]
+        for context in contexts:
+            self.cudnn(batch, context)
+            q, k_pages, v_pages, page_table, lengths = self.cache(batch, context)
+            indices, count = self.selection(batch, 1, context // self.p, n_pages)
+            args = (q, k_pages, v_pages, page_table, lengths, indices, count)
+            opts = {"unit": self.p}
+            floor = harness.floor_ms(batch * self.hk * n_pages * self.p * 2 * self.d * BYTES)
+            if context == contexts[0]:
+                config = self.sweep("delta", args, opts, floor)
+            self.measure("delta", context, batch, args, opts, config, floor, n_pages * self.p)
+            for x in (q, k_pages, v_pages):
+                x.delete()
+
+    def lychee(self):
+        batch, context = (2, 512) if self.smoke else (8, 131072)
+        block = 2 * self.p if self.smoke else 64
+        n_blocks = context // block
+        k = max(1, n_blocks // 10)
+        self.cudnn(batch, context)
+        q, k_pages, v_pages, page_table, lengths = self.cache(batch, context)
+        indices, count = self.selection(batch, self.hk, n_blocks, k)
+        args = (q, k_pages, v_pages, page_table, lengths, indices, count)
+        dense_counts = [0, 1] if self.smoke else [2, 0, 1, 4]  # the sweep runs at the first
+        for n_dense in dense_counts:
+            dense = jnp.asarray(np.arange(self.hk) < n_dense)
+            tokens = n_dense * context + (self.hk - n_dense) * k * block
+            floor = harness.floor_ms(batch * tokens * 2 * self.d * BYTES)
+            opts = {"unit": block, "dense_heads": dense}
+            if n_dense == dense_counts[0]:
+                config = self.sweep("lychee", args, opts, floor)
+            case = f"lychee/dense{n_dense}of{self.hk}"
+            self.measure(case, context, batch, args, opts, config, floor, k * block)
+            if n_dense == 0:  # no dense_heads array at all: the grid is sized for sparse work
+                self.measure(case + "/no_dense_arg", context, batch, args, {"unit": block},
+                             config, floor, k * block)
+        for x in (q, k_pages, v_pages):
+            x.delete()
+
+
+def error_row(case, context, batch, error) -> dict:
+    row = harness.row(case, context=context, batch=batch, ms=0.0,
+                      error=f"{type(error).__name__}: {error}"[:300])
+    row["ms"] = None
+    return row
+
+
+def plot(rows, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.get("ratio_to_floor") is not None and "/sweep" not in r["case"]
+             and r["case"] != "kascade/xla_gather"]
+    labels = [f"{r['case']} {r['context'] // 1024}k" if r["context"] >= 1024
+              else f"{r['case']} {r['context']}" for r in timed]
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(16, 6))
+    ax0.barh(labels, [r["ratio_to_floor"] for r in timed], color="tab:blue")
+    ax0.axvline(1.3, color="red", ls="--", label="target 1.3x")
+    ax0.set_xlabel("time / HBM floor of the gathered bytes (lower is better)")
+    ax0.legend()
+    ax1.barh(labels, [r["peer_ms"] / r["ms"] for r in timed], color="tab:green")
+    ax1.axvline(5, color="red", ls="--", label="lychee target 5x")
+    ax1.set_xlabel("speedup vs cuDNN dense at the same context")
+    ax1.set_yticklabels([])
+    ax1.legend()
+    fig.suptitle(f"sparse_decode_attention, {harness.device_name()}, jax {jax.__version__}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
+    args = parser.parse_args()
+    if not args.smoke and jax.default_backend() != "gpu":
+        raise SystemExit("needs a GPU (use --smoke on CPU)")
+    bench = Bench(args.smoke)
+    for family in (bench.kascade, bench.delta, bench.lychee):
+        if time.monotonic() > bench.deadline:
+            print(f"!!! {family.__name__}: skipped, past the {TIME_BUDGET_S} s budget")
+            bench.rows.append(error_row(family.__name__, None, None, TimeoutError("budget")))
+            continue
+        try:
+            family()
+        except Exception as e:
+            traceback.print_exc()
+            print(f"!!! {family.__name__}: aborted: {type(e).__name__}: {e}")
+            bench.rows.append(error_row(family.__name__, None, None, e))
+    harness.print_table(bench.rows, COLUMNS)
+    if args.smoke:
+        plot(bench.rows, Path(tempfile.mkdtemp()) / f"{NAME}.png")
+        return
+    path = harness.write_results(NAME, bench.rows)
+    plot(bench.rows, path.with_suffix(".png"))
+    if os.environ.get("OUT"):
+        plot(bench.rows, Path(os.environ["OUT"], f"{NAME}.png"))
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

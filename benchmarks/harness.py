@@ -1,0 +1,86 @@
+"""Timing and result files shared by the benchmark scripts.
+
+Every script writes `benchmarks/results/<name>.json` (and `$OUT/<name>.json` when OUT is set)
+in one schema, so that any two runs can be compared:
+  {"device", "jax_version", "date", "rows": [{"case", "context", "batch", "ms", "floor_ms",
+   "peer", "peer_ms", "ratio_to_floor", "ratio_to_peer", ...}]}
+`ratio_to_peer` = ms / peer_ms (lower is better).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+
+HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the floor every memory-bound figure is compared to
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def floor_ms(num_bytes: float) -> float:
+    return num_bytes / HBM_BYTES_PER_S * 1e3
+
+
+def time_ms(fn, *args, calls: int = 50, repeats: int = 7, warmup: int = 3) -> float:
+    """Median over `repeats` of the mean time of `calls` back-to-back asynchronous calls.
+
+    `fn` should be jitted (ideally AOT-compiled) so that Python dispatch stays far below the
+    kernel time; the queue stays full and the wall clock measures the device.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def compiled(fn, *args, **static):
+    """AOT-compile `jax.jit(fn)` for these args: the cheapest call path for timing."""
+    return jax.jit(fn, **static).lower(*args).compile()
+
+
+def row(case: str, *, context: int | None, batch: int | None, ms: float,
+        floor: float | None = None, peer: str | None = None, peer_ms: float | None = None,
+        **extra) -> dict:
+    r = {"case": case, "context": context, "batch": batch, "ms": round(ms, 4),
+         "floor_ms": None if floor is None else round(floor, 4),
+         "peer": peer, "peer_ms": None if peer_ms is None else round(peer_ms, 4),
+         "ratio_to_floor": None if floor is None else round(ms / floor, 3),
+         "ratio_to_peer": None if peer_ms is None else round(ms / peer_ms, 3)}
+    r.update(extra)
+    return r
+
+
+def device_name() -> str:
+    d = jax.devices()[0]
+    return getattr(d, "device_kind", str(d))
+
+
+def write_results(name: str, rows: list[dict], **meta) -> Path:
+    doc = {"device": device_name(), "jax_version": jax.__version__,
+           "date": datetime.date.today().isoformat(), **meta, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], cols=("case", "context", "batch", "ms", "floor_ms", "peer_ms",
+                                        "ratio_to_floor", "ratio_to_peer")) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))

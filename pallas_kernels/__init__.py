@@ -1,0 +1,17 @@
+"""Pallas (Triton) GPU kernels, each beside its plain-jnp reference.
+
+`backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere.
+"""
+from .decode_attention import (DecodeAttention, paged_decode_attention,
+                               paged_decode_attention_reference)
+from .sparse_attention import (SparseAttention, sparse_decode_attention,
+                               sparse_decode_attention_reference)
+from .topk import (Selected, fixed_budget, ratio_budget, threshold_budget, top_p_budget,
+                   topk_select, topk_select_reference)
+
+__all__ = [
+    "DecodeAttention", "Selected", "SparseAttention", "fixed_budget", "paged_decode_attention",
+    "paged_decode_attention_reference", "ratio_budget", "sparse_decode_attention",
+    "sparse_decode_attention_reference", "threshold_budget", "top_p_budget", "topk_select",
+    "topk_select_reference",
+]

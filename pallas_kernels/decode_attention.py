@@ -1,0 +1,378 @@
+"""Paged dense decode attention: one query token per row over a paged KV cache.
+
+Returns the attention output, its natural-log LSE and, on request, the per-token scores that
+the selection methods pool (DELTA `max_heads`, Kascade `group_sum`, LycheeDecode `mean_query`,
+per-query-head `head_probs` for oracle top-k and TidalDecode).
+
+Kernel: flash-decoding split-K on Pallas-Triton. Grid (batch, kv_head, split); each program
+loads its GQA query group padded to 16 rows (the smallest M of a Triton dot), walks its share
+of the row's key blocks through the page table with masked gathers straight from the cache
+(no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
+`common.merge_partials` combines the splits. For scores the kernel also writes the scaled
+logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
+epilogue turns logits + final LSE into the requested pooling, so K is read once.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sparsejax.pallas_kernels import common
+from sparsejax.pallas_kernels.common import pl, plgpu
+
+SCORES = (None, "max_heads", "group_sum", "mean_query", "head_probs")
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (8, 16, 32, 64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_GROUP = 16
+BLOCK_G = 16  # query rows per program: the GQA group padded to the smallest Triton dot M
+NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
+
+
+class DecodeAttention(NamedTuple):
+    out: jax.Array  # [B, HQ, D] in q's dtype
+    lse: jax.Array  # [B, HQ] float32, natural log
+    scores: jax.Array | None  # see `paged_decode_attention`
+
+
+def _decode_kernel(
+    q_ref,  # [B, HQ, D]
+    k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
+    v_ref,  # [num_pages * HK * P, D]
+    page_table_ref,  # [B, max_pages] int32
+    lengths_ref,  # [B] int32
+    active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
+    out_ref,  # [B, num_splits, HQ, D] float32: normalised partial output per split
+    lse_ref,  # [B, num_splits, HQ] float32: partial LSE, -inf for an empty split
+    *logits_refs,  # () | ([B, HQ, T] float32) | ([B, HK, T] float32) for mean_query
+    sm_scale: float,
+    group: int,
+    kv_heads: int,
+    page_size: int,
+    block_n: int,
+    num_splits: int,
+    max_tokens: int,
+    score: str | None,
+):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    head_dim = q_ref.shape[-1]
+    row_valid = jnp.arange(BLOCK_G) < group
+    q = plgpu.load(q_ref.at[b, pl.ds(h * group, BLOCK_G), :], mask=row_valid[:, None], other=0)
+    # Higher-precision f32 dots (IEEE instead of TF32); bf16/f16 dots are unaffected.
+    dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
+                            precision=lax.Precision.HIGHEST)
+
+    # Splits share the row's actual key blocks, so short rows keep every split busy. A
+    # skipped KV head visits no block: its partials stay empty (out 0, lse -inf).
+    length = jnp.minimum(lengths_ref[b], max_tokens)
+    num_blocks = pl.cdiv(length, block_n)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    first = split * per_split
+    last = jnp.where(active_ref[h] != 0, jnp.minimum(first + per_split, num_blocks), first)
+    cols = jnp.arange(head_dim)
+    page_shift = page_size.bit_length() - 1  # page_size is a power of 2
+
+    def block_tokens(j):
+        tok = j * block_n + jnp.arange(block_n)
+        return tok, tok < length
+
+    def block_page_ids(j):
+        # Masked: page-table entries past the length may be garbage and are never read.
+        tok, valid = block_tokens(j)
+        return plgpu.load(page_table_ref.at[b, tok >> page_shift], mask=valid, other=0)
+
+    def body(j, carry):
+        acc, m, l, page_ids = carry
+        # Fetch the next block's page ids now, so the page-table read is off the K/V path.
+        next_page_ids = block_page_ids(j + 1)
+        tok, valid = block_tokens(j)
+        slot = (page_ids * kv_heads + h) * page_size + (tok & (page_size - 1))
+        kv_index = (slot[:, None], cols[None, :])
+        # Masked gathers: nothing past the length is read (unwritten slots of the last page).
+        k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
+        v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
+        s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        if score == "mean_query":
+            mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
+            plgpu.store(logits_refs[0].at[b, h, pl.ds(j * block_n, block_n)], mean, mask=valid)
+        elif score is not None:
+            rows, tokens = pl.ds(h * group, BLOCK_G), pl.ds(j * block_n, block_n)
+            plgpu.store(logits_refs[0].at[b, rows, tokens], s,
+                        mask=row_valid[:, None] & valid[None, :])
+        # Every visited block holds a valid token, so m_new is finite.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+        return acc, m_new, l, next_page_ids
+
+    acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32)
+    m = jnp.full((BLOCK_G,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((BLOCK_G,), jnp.float32)
+    acc, m, l, _ = lax.fori_loop(first, last, body, (acc, m, l, block_page_ids(first)))
+
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], acc / l_safe[:, None],
+                mask=row_valid[:, None])
+    plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)],
+                jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf), mask=row_valid)
+
+
+def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, sm_scale,
+                   interpret, block_n, num_splits, num_warps, num_stages):
+    batch, q_heads, head_dim = q.shape
+    num_pages, kv_heads, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    max_tokens = max_pages * page_size
+    group = q_heads // kv_heads
+    # Free reshape of the contiguous cache: no copy, page ids stay as the caller wrote them.
+    k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+
+    out_shape = [jax.ShapeDtypeStruct((batch, num_splits, q_heads, head_dim), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, num_splits, q_heads), jnp.float32)]
+    if score == "mean_query":
+        out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, max_tokens), jnp.float32))
+    elif score is not None:
+        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, max_tokens), jnp.float32))
+    kernel = functools.partial(
+        _decode_kernel, sm_scale=sm_scale, group=group, kv_heads=kv_heads,
+        page_size=page_size, block_n=block_n, num_splits=num_splits, max_tokens=max_tokens,
+        score=score)
+    out_part, lse_part, *logits = common.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, num_splits),
+        out_shape=out_shape,
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"paged_decode_attention_{block_n=}_{num_splits=}",
+    )(q, k_rows, v_rows, page_table, lengths,
+      jnp.ones((kv_heads,), jnp.int32) if active is None else active.astype(jnp.int32))
+
+    out, lse = common.merge_partials(out_part, lse_part, axis=1)
+    scores = None
+    if score is not None:
+        scores = _pool_logits(score, logits[0], lse, jnp.minimum(lengths, max_tokens), active,
+                              page_size=page_size, kv_heads=kv_heads)
+    return DecodeAttention(out.astype(q.dtype), lse, scores)
+
+
+def _pool_logits(score, logits, lse, lengths, active, *, page_size, kv_heads):
+    """Kernel epilogue: scaled logits + final LSE -> the requested score.
+
+    logits [B, HQ, T] (or [B, HK, T] group-mean logits for mean_query); positions at or past
+    the length and the heads of skipped KV heads hold garbage and are masked out here.
+    """
+    batch, q_heads = lse.shape
+    max_tokens = logits.shape[-1]
+    valid = jnp.arange(max_tokens)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
+    kv_valid = q_valid = valid
+    if active is not None:
+        kv_valid = valid & active[None, :, None]
+        q_valid = valid & jnp.repeat(active, q_heads // kv_heads)[None, :, None]
+    if score == "mean_query":
+        return jnp.where(kv_valid, logits, -jnp.inf)
+    prob = jnp.exp(logits - lse[..., None])
+    if score == "head_probs":
+        return jnp.where(q_valid, prob, -jnp.inf)
+    prob = jnp.where(q_valid, prob, 0.0)
+    if score == "group_sum":
+        summed = prob.reshape(batch, kv_heads, -1, max_tokens).sum(axis=2)
+        return jnp.where(kv_valid, summed, -jnp.inf)
+    per_page = prob.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
+    page_valid = jnp.arange(per_page.shape[1])[None, :] * page_size < lengths[:, None]
+    return jnp.where(page_valid, per_page, -jnp.inf)
+
+
+def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
+                   dtype) -> dict:
+    """Static knobs chosen from the shapes.
+
+    block_n: tokens per loop step, sized so a K tile is ~16 KiB (64 tokens at D=128 bf16):
+      small enough that 2-stage K/V buffers leave room for several programs per SM, at least
+      16 (the Triton dot N) and at most the next power of 2 of max_pages * P.
+    num_splits: enough (batch, kv_head, split) programs for ~4 waves on 132 SMs, i.e.
+      ceil(4 * 132 / (batch * kv_heads)), but no fewer than 4 key blocks per split.
+    num_warps=4, num_stages=2.
+    """
+    max_tokens = max_pages * page_size
+    block_n = min(128, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
+    block_n = max(16, min(block_n, common.next_power_of_2(max_tokens)))
+    max_blocks = common.cdiv(max_tokens, block_n)
+    num_splits = max(1, min(common.cdiv(4 * NUM_SMS, batch * kv_heads), max_blocks // 4))
+    return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
+
+
+def _check_power_of_2(name, value, lo, hi):
+    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name}={value!r}: expected a power of 2 in [{lo}, {hi}]")
+
+
+def _check_tuning(block_n, num_splits, num_warps, num_stages):
+    _check_power_of_2("block_n", block_n, 16, 512)
+    _check_power_of_2("num_warps", num_warps, 1, 16)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r}: expected an int >= 1")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads):
+    """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
+    if score not in SCORES:
+        raise ValueError(f"score={score!r}: expected one of {SCORES}")
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape}: expected [batch, q_heads, head_dim]")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages.shape={k_pages.shape}: expected "
+                         "[num_pages, kv_heads, page_size, head_dim]")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
+    batch, q_heads, head_dim = q.shape
+    _, num_kv_heads, _, k_dim = k_pages.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q.dtype={q.dtype}: expected a floating dtype")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={x.dtype}: expected q.dtype={q.dtype}")
+    if k_dim != head_dim:
+        raise ValueError(f"k_pages head_dim={k_dim}: expected q's head_dim={head_dim}")
+    if q_heads % num_kv_heads:
+        raise ValueError(f"q_heads={q_heads}: expected a multiple of kv_heads={num_kv_heads}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table {page_table.dtype}{list(page_table.shape)}: expected "
+                         f"int32[{batch}, max_pages]")
+    if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
+        raise ValueError(f"lengths {lengths.dtype}{list(lengths.shape)}: expected int32[{batch}]")
+    if kv_heads is not None and (kv_heads.shape != (num_kv_heads,) or not (
+            kv_heads.dtype == jnp.bool_ or jnp.issubdtype(kv_heads.dtype, jnp.integer))):
+        raise ValueError(f"kv_heads {kv_heads.dtype}{list(kv_heads.shape)}: expected a bool "
+                         f"mask [{num_kv_heads}]")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "score", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
+    "num_stages"))
+def paged_decode_attention(
+    q: jax.Array,  # [B, HQ, D]
+    k_pages: jax.Array,  # [num_pages, HK, P, D]
+    v_pages: jax.Array,  # [num_pages, HK, P, D]
+    page_table: jax.Array,  # [B, max_pages] int32
+    lengths: jax.Array,  # [B] int32
+    *,
+    score: str | None = None,
+    kv_heads: jax.Array | None = None,  # [HK] bool
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> DecodeAttention:
+    """Decode attention of one query token per row over a paged KV cache.
+
+    Token t of row b is `k_pages[page_table[b, t // P], h, t % P]`; query head i reads KV
+    head i // (HQ // HK). Page-table entries past a row's length are never read. Lengths
+    are clipped to the page table's capacity max_pages * P; a row of length 0 gets out 0 and
+    lse -inf (the convention of `common.merge_partials`).
+
+    score:
+      None         -> scores is None.
+      "max_heads"  -> [B, max_pages] f32: per token the max over all query heads of the
+                      softmax probability, summed inside each page; -inf for pages past the
+                      length (DELTA).
+      "group_sum"  -> [B, HK, max_pages * P] f32: probabilities summed over each KV head's
+                      query group; -inf at positions >= length (Kascade).
+      "mean_query" -> [B, HK, max_pages * P] f32: logits of the group-mean query,
+                      q̄·k·sm_scale; -inf at positions >= length (LycheeDecode).
+      "head_probs" -> [B, HQ, max_pages * P] f32: each query head's softmax probabilities;
+                      -inf at positions >= length (oracle top-k, TidalDecode).
+    kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
+      are computed; the others are skipped and get out 0, lse -inf and -inf scores
+      ("max_heads" takes the max over the computed heads). None computes every head.
+    backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
+      kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
+      up to 16; other shapes run the reference under "auto" and raise under "pallas".
+    interpret: Pallas interpret mode; None -> on unless a GPU is present.
+    block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path; None picks
+      `default_tuning`.
+    """
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads)
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if kv_heads is not None:
+        kv_heads = kv_heads.astype(bool)
+    unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+                                        dtypes=DTYPES, max_group=MAX_GROUP)
+    if common.choose_backend(backend, unsupported) == "reference":
+        return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths,
+                                                score=score, kv_heads=kv_heads,
+                                                sm_scale=sm_scale)
+    tuning = default_tuning(q.shape[0], k_pages.shape[1], q.shape[2], k_pages.shape[2],
+                            page_table.shape[1], q.dtype)
+    given = dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                 num_stages=num_stages)
+    tuning.update({k: v for k, v in given.items() if v is not None})
+    _check_tuning(**tuning)
+    return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
+                          sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
+                          **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("score", "sm_scale"))
+def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *,
+                                     score: str | None = None,
+                                     kv_heads: jax.Array | None = None,
+                                     sm_scale: float | None = None) -> DecodeAttention:
+    """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout."""
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads)
+    batch, q_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    max_tokens = page_table.shape[1] * page_size
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+    def gather(pages):  # -> [B, HK, T, D] f32
+        x = pages[page_table]  # [B, max_pages, HK, P, D]
+        x = x.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_tokens, head_dim)
+        return x.astype(jnp.float32)
+
+    valid = jnp.arange(max_tokens)[None, :] < lengths[:, None]  # [B, T]
+    active = jnp.ones((num_kv_heads,), bool) if kv_heads is None else kv_heads.astype(bool)
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, -1, head_dim)
+    k = gather(k_pages)
+    v = jnp.where(valid[:, None, :, None], gather(v_pages), 0.0)
+    hp = lax.Precision.HIGHEST
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=hp) * sm_scale
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, HK, G]; -inf for an empty row
+    prob = jnp.where(valid[:, None, None, :], jnp.exp(logits - lse[..., None]), 0.0)
+    out = jnp.einsum("bhgt,bhtd->bhgd", prob, v, precision=hp)
+    out = jnp.where(active[None, :, None, None], out, 0.0)
+    out = out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+    lse = jnp.where(active[None, :, None], lse, -jnp.inf).reshape(batch, q_heads)
+    prob = jnp.where(active[None, :, None, None], prob, 0.0)
+    kv_valid = valid[:, None, :] & active[None, :, None]  # [B, HK, T]
+
+    scores = None
+    if score == "max_heads":
+        per_token = prob.max(axis=(1, 2)).reshape(batch, -1, page_size).sum(axis=-1)
+        page_valid = valid.reshape(batch, -1, page_size)[..., 0]
+        scores = jnp.where(page_valid, per_token, -jnp.inf)
+    elif score == "group_sum":
+        scores = jnp.where(kv_valid, prob.sum(axis=2), -jnp.inf)
+    elif score == "mean_query":
+        qbar = qg.mean(axis=2)  # [B, HK, D]
+        scores = jnp.einsum("bhd,bhtd->bht", qbar, k, precision=hp) * sm_scale
+        scores = jnp.where(kv_valid, scores, -jnp.inf)
+    elif score == "head_probs":
+        scores = jnp.where(kv_valid[:, :, None, :], prob, -jnp.inf)
+        scores = scores.reshape(batch, q_heads, max_tokens)
+    return DecodeAttention(out, lse, scores)

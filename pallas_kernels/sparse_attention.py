@@ -1,0 +1,455 @@
+"""Sparse gather decode attention over a paged KV cache.
+
+One decode query per row attends to a selected subset of its cached positions: the reuse
+layers of DELTA / Kascade / TidalDecode, LycheeDecode's hybrid layers (sparse heads read a
+selection, retrieval heads read everything) and RESA's prior partials, in one kernel.
+
+Selection. `indices [B, G, K]` (sorted ascending, unique, valid up to `count [B, G]`) names
+logical units of `unit` tokens: index i covers positions [i*unit, (i+1)*unit). G = 1: one set
+for every head; G = HK: a set per KV head, read through `head_map`; G = HQ: a set per query
+head. Positions >= length, negative indices and entries past count are skipped.
+
+Work decomposition (the GPU kernel). A *row group* is the set of query rows that share both
+a KV head and a selection: the GQA group of a KV head (G in {1, HK}) or a single query head
+(G = HQ). Each row group's work is a token stream: the `count*unit` selected positions of a
+sparse head, or [0, length) of a dense head. Every stream is cut into splits of the same
+static size `split_tokens`, and the grid is (row groups, max splits per row group): program
+(r, j) processes split j of row group r and writes one (out, lse) partial, or an empty one
+(lse = -inf) when its stream is shorter. Because every non-empty program does the same
+amount of work whatever head it belongs to, the hardware block scheduler balances the pool
+of splits across SMs: a dense head becomes many splits instead of one long program
+(LycheeDecode's pooled equal splits). `dense_heads` is traced, so the grid is sized for the
+worst case (max_pages*P tokens) only when it is given; an empty program runs no step (a few
+scalar loads, the query rows, an empty partial stored). `common.merge_partials` combines the
+partials.
+
+Each program walks its split in steps of `block_n` tokens: token -> selected index ->
+logical position -> (page_table[b, pos // P], pos % P) -> one D-row of K and of V, gathered
+with masked vector loads (rows of one page are contiguous, so page and block units load
+whole tiles). The row group's queries are padded to 16 rows (M >= 16 for the dot); with RESA
+the prior queries mu_Q are stacked under them, so one gather feeds both softmaxes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import common
+from .common import pl, plgpu
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
+MAX_GROUP_SIZE = 16
+TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages")
+# Default split: the sparse work alone should make ~8 waves of resident programs on a 132-SM
+# H200 (a short tail), and dense heads at most 256 splits (partials stay small).
+_TARGET_PROGRAMS = 4096
+_MAX_DENSE_SPLITS = 256
+_LN2 = math.log(2.0)
+_LOG2E = math.log2(math.e)
+
+
+class SparseAttention(NamedTuple):
+    out: jax.Array  # [B, HQ, D] q.dtype
+    lse: jax.Array  # [B, HQ] f32, natural log over the attended positions
+    prior: tuple[jax.Array, jax.Array] | None  # (prior_lse [B, HQ] f32, prior_out [B, HQ, D] f32)
+
+
+def _sparse_decode_kernel(
+    page_table_ref,  # [B, max_pages] int32
+    lengths_ref,  # [B] int32
+    indices_ref,  # [B, G, K] int32
+    count_ref,  # [B, G] int32
+    q_ref,  # [B, HQ, D]
+    k_pages_ref,  # [num_pages, HK, P, D]
+    v_pages_ref,  # [num_pages, HK, P, D]
+    *refs,  # optional inputs, then outputs; see the unpacking below
+    mode: str,
+    has_head_map: bool,
+    has_dense: bool,
+    has_prior: bool,
+    unit: int,
+    sm_scale: float,
+    block_h: int,
+    block_n: int,
+    split_tokens: int,
+):
+    refs = list(refs)
+    head_map_ref = refs.pop(0) if has_head_map else None  # [HK] int32
+    dense_ref = refs.pop(0) if has_dense else None  # [HK] bool
+    prior_query_ref = refs.pop(0) if has_prior else None  # [B, HQ, D]
+    prior_length_ref = refs.pop(0) if has_prior else None  # [B] int32
+    out_ref, lse_ref = refs[:2]  # [S, B, HQ, D] f32, [S, B, HQ] f32
+    prior_out_ref, prior_lse_ref = refs[2:] if has_prior else (None, None)
+
+    _, num_heads, head_dim = q_ref.shape
+    _, kv_heads, page_size, _ = k_pages_ref.shape
+    span = page_table_ref.shape[1] * page_size  # positions the page table can address
+    max_entries = indices_ref.shape[2]
+    group_size = num_heads // kv_heads
+    rows = 1 if mode == "q" else group_size
+
+    row_group, split = pl.program_id(0), pl.program_id(1)
+    if mode == "q":
+        b, head0 = lax.div(row_group, num_heads), lax.rem(row_group, num_heads)
+        h, g = lax.div(head0, group_size), head0
+    else:
+        b, h = lax.div(row_group, kv_heads), lax.rem(row_group, kv_heads)
+        head0 = h * group_size
+        # A head map entry out of range is clamped rather than read out of bounds.
+        g = jnp.clip(head_map_ref[h], 0, kv_heads - 1) if has_head_map else (
+            h if mode == "kv" else 0)
+
+    length = jnp.minimum(lengths_ref[b], span)
+    n_tokens = jnp.clip(count_ref[b, g], 0, max_entries) * unit
+    dense = dense_ref[h] if has_dense else False
+    if has_dense:
+        n_tokens = jnp.where(dense, length, n_tokens)
+    start = split * split_tokens
+    n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
+    n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
+
+    # Rows [0, rows) hold the queries, [rows, 2*rows) the RESA prior queries, the rest is padding.
+    r = jnp.arange(block_h)
+    is_q = r < rows
+    is_prior = (r >= rows) & (r < 2 * rows) if has_prior else jnp.zeros_like(is_q)
+    head = head0 + jnp.where(is_q, r, jnp.where(is_prior, r - rows, 0))
+    # Gathers and scatters index every axis with arrays (interpret mode has no mixed form).
+    cols = jnp.arange(head_dim)[None, :]
+    row_mask = lambda m: jnp.broadcast_to(m[:, None], (block_h, head_dim))  # noqa: E731
+    qs = plgpu.load(q_ref.at[b, head[:, None], cols], mask=row_mask(is_q), other=0)
+    if has_prior:
+        prior_length = prior_length_ref[b]
+        mu = plgpu.load(prior_query_ref.at[b, head[:, None], cols], mask=row_mask(is_prior),
+                        other=0)
+        qs = jnp.where(row_mask(is_prior), mu.astype(qs.dtype), qs)
+    scale = sm_scale * _LOG2E  # online softmax in base 2
+
+    def step(i, carry):
+        acc, m, l = carry
+        t = start + i * block_n + jnp.arange(block_n)  # [block_n] offsets into the stream
+        live = t < n_tokens
+        entry = t if unit == 1 else lax.div(t, unit)  # t >= 0: truncating division is exact
+        gather_idx = (live & jnp.logical_not(dense)) if has_dense else live
+        idx = plgpu.load(indices_ref.at[b, g, entry], mask=gather_idx, other=-1)
+        in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
+        pos = jnp.where(in_cache, idx if unit == 1 else idx * unit + lax.rem(t, unit), -1)
+        if has_dense:
+            pos = jnp.where(dense, t, pos)
+        valid = live & (pos >= 0) & (pos < length)
+        pos = jnp.where(valid, pos, 0)
+        page = plgpu.load(page_table_ref.at[b, lax.div(pos, page_size)], mask=valid, other=0)
+        offset = lax.rem(pos, page_size)
+        tile_mask = jnp.broadcast_to(valid[:, None], (block_n, head_dim))
+        tile = (page[:, None], h, offset[:, None], cols)
+        k = plgpu.load(k_pages_ref.at[tile], mask=tile_mask, other=0)  # [block_n, D]
+        v = plgpu.load(v_pages_ref.at[tile], mask=tile_mask, other=0)
+
+        s = plgpu.dot(qs, k, trans_b=True) * scale  # [block_h, block_n] f32
+        keep = valid[None, :]
+        if has_prior:
+            keep = keep & (is_q[:, None] | (pos < prior_length)[None, :])
+        s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows stay exactly 0
+        alpha = jnp.exp2(m - m_shift)
+        p = jnp.exp2(s - m_shift[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, l
+
+    acc = jnp.zeros((block_h, head_dim), jnp.float32)
+    m = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((block_h,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
+
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
+    lse = jnp.where(nonempty, m * _LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    for rows_here, o_ref, l_ref in ((is_q, out_ref, lse_ref),
+                                    (is_prior, prior_out_ref, prior_lse_ref)):
+        if o_ref is None:
+            continue
+        # Masked rows get distinct out-of-range heads: never written, never aliasing a real row.
+        dst = jnp.where(rows_here, head, num_heads + r)
+        plgpu.store(o_ref.at[split, b, dst[:, None], cols], out, mask=row_mask(rows_here))
+        plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
+
+
+def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
+                    dense_tokens: int = 0) -> dict:
+    """Splits small enough to fill the GPU, large enough that the partials (one f32 D-row per
+    query row and split) stay a few percent of the gathered bytes."""
+    block_n = 64 if head_dim <= 128 else 32
+    split = common.next_power_of_2(common.cdiv(row_groups * sparse_tokens, _TARGET_PROGRAMS))
+    split = max(256, common.cdiv(dense_tokens, _MAX_DENSE_SPLITS), min(4096, split))
+    split = common.cdiv(split, block_n) * block_n
+    return {"block_n": block_n, "split_tokens": split, "num_warps": 4, "num_stages": 2}
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("mode", "unit", "sm_scale", "block_n", "split_tokens", "num_warps",
+                     "num_stages", "interpret"))
+def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
+                          dense_heads, prior_query, prior_length, *, mode, unit, sm_scale,
+                          block_n, split_tokens, num_warps, num_stages, interpret):
+    batch, num_heads, head_dim = q.shape
+    kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
+    max_pages, max_entries = page_table.shape[1], indices.shape[2]
+    has_prior = prior_query is not None
+    rows = 1 if mode == "q" else num_heads // kv_heads
+    block_h = max(16, common.next_power_of_2(rows * (2 if has_prior else 1)))
+    row_groups = batch * (num_heads if mode == "q" else kv_heads)
+    stream = max_entries * unit
+    if dense_heads is not None:
+        stream = max(stream, max_pages * page_size)
+    num_splits = common.cdiv(stream, split_tokens)
+
+    optional = [x for x in (head_map, dense_heads) if x is not None]
+    if has_prior:
+        optional += [prior_query, prior_length]
+    partial_out = jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), jnp.float32)
+    partial_lse = jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)
+    out_shape = [partial_out, partial_lse] * (2 if has_prior else 1)
+    kernel = functools.partial(
+        _sparse_decode_kernel, mode=mode, has_head_map=head_map is not None,
+        has_dense=dense_heads is not None, has_prior=has_prior, unit=unit, sm_scale=sm_scale,
+        block_h=block_h, block_n=block_n, split_tokens=split_tokens)
+    partials = common.pallas_call(
+        kernel,
+        grid=(row_groups, num_splits),
+        out_shape=out_shape,
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"sparse_decode_{mode}_unit{unit}",
+    )(page_table, lengths, indices, count, q, k_pages, v_pages, *optional)
+
+    out, lse = common.merge_partials(partials[0], partials[1], axis=0)
+    prior = None
+    if has_prior:
+        prior_out, prior_lse = common.merge_partials(partials[2], partials[3], axis=0)
+        prior = (prior_lse, prior_out)
+    return SparseAttention(out.astype(q.dtype), lse, prior)
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit, head_map,
+                  dense_heads, prior_query, prior_length, tuning) -> str:
+    """Validates shapes and dtypes; returns the selection mode: 'kv', 'shared' or 'q'."""
+    def expect(ok, name, value, expected):
+        if not ok:
+            raise ValueError(f"{name}={value}: expected {expected}")
+
+    expect(q.ndim == 3, "q.shape", q.shape, "[batch, q_heads, head_dim]")
+    expect(k_pages.ndim == 4, "k_pages.shape", k_pages.shape,
+           "[num_pages, kv_heads, page_size, head_dim]")
+    batch, num_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    expect(jnp.issubdtype(q.dtype, jnp.floating), "q.dtype", q.dtype, "a floating dtype")
+    expect(k_pages.dtype == q.dtype, "k_pages.dtype", k_pages.dtype, f"q's dtype {q.dtype}")
+    expect(v_pages.shape == k_pages.shape and v_pages.dtype == k_pages.dtype,
+           "v_pages", (v_pages.shape, v_pages.dtype), f"k_pages' {k_pages.shape} {k_pages.dtype}")
+    expect(k_pages.shape[3] == head_dim, "k_pages.shape[3]", k_pages.shape[3],
+           f"q's head_dim {head_dim}")
+    expect(num_heads % kv_heads == 0, "q_heads", num_heads, f"a multiple of kv_heads={kv_heads}")
+    expect(page_table.ndim == 2 and page_table.shape[0] == batch
+           and page_table.dtype == jnp.int32, "page_table",
+           (page_table.shape, page_table.dtype), f"[{batch}, max_pages] int32")
+    expect(lengths.shape == (batch,) and lengths.dtype == jnp.int32, "lengths",
+           (lengths.shape, lengths.dtype), f"[{batch}] int32")
+    expect(indices.ndim == 3 and indices.shape[0] == batch and indices.shape[2] >= 1
+           and indices.dtype == jnp.int32, "indices", (indices.shape, indices.dtype),
+           f"[{batch}, groups, k >= 1] int32")
+    groups = indices.shape[1]
+    expect(groups in (1, kv_heads, num_heads), "indices.shape[1]", groups,
+           f"1, kv_heads={kv_heads} or q_heads={num_heads}")
+    expect(count.shape == (batch, groups) and count.dtype == jnp.int32, "count",
+           (count.shape, count.dtype), f"[{batch}, {groups}] int32")
+    expect(isinstance(unit, int) and unit >= 1 and (unit == 1 or unit % page_size == 0),
+           "unit", unit, f"1 or a positive multiple of page_size={page_size}")
+    mode = "kv" if groups == kv_heads else ("shared" if groups == 1 else "q")
+    if head_map is not None:
+        expect(mode == "kv", "head_map", "given",
+               f"None unless indices has one group per KV head (G={kv_heads}, got {groups})")
+        expect(head_map.shape == (kv_heads,) and jnp.issubdtype(head_map.dtype, jnp.integer),
+               "head_map", (head_map.shape, head_map.dtype), f"[{kv_heads}] integer")
+    if dense_heads is not None:
+        expect(dense_heads.shape == (kv_heads,) and dense_heads.dtype == jnp.bool_,
+               "dense_heads", (dense_heads.shape, dense_heads.dtype), f"[{kv_heads}] bool")
+    if prior_query is not None:
+        expect(prior_query.shape == q.shape and jnp.issubdtype(prior_query.dtype, jnp.floating),
+               "prior_query", (prior_query.shape, prior_query.dtype), f"{q.shape} floating")
+    if prior_length is not None:
+        expect(prior_query is not None, "prior_length", "given", "None without prior_query")
+        expect(prior_length.shape == (batch,) and prior_length.dtype == jnp.int32,
+               "prior_length", (prior_length.shape, prior_length.dtype), f"[{batch}] int32")
+    unknown = sorted(set(tuning) - set(TUNING_KNOBS))
+    expect(not unknown, "tuning", unknown, f"knobs among {TUNING_KNOBS}")
+    return mode
+
+
+def _check_tuning(tuning: dict) -> None:
+    block_n, split = tuning["block_n"], tuning["split_tokens"]
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n={block_n}: expected a power of 2 >= 16")
+    if split < block_n or split % block_n:
+        raise ValueError(f"split_tokens={split}: expected a positive multiple of {block_n=}")
+    for name in ("num_warps", "num_stages"):
+        if tuning[name] < 1:
+            raise ValueError(f"{name}={tuning[name]}: expected a positive int")
+
+
+def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
+                            head_map=None, dense_heads=None, prior_query=None,
+                            prior_length=None, sm_scale=None, backend="auto", interpret=None,
+                            **tuning) -> SparseAttention:
+    """Decode attention of each query head over its selected positions of a paged cache.
+
+    q            [B, HQ, D]                  bf16 / f16 / f32; HQ = HK * group (group 1..16)
+    k_pages      [num_pages, HK, P, D]       token t of row b at [page_table[b, t // P], :, t % P]
+    v_pages      [num_pages, HK, P, D]
+    page_table   [B, max_pages] int32
+    lengths      [B] int32                   >= 1, the current token already written
+    indices      [B, G, K] int32             G in {1, HK, HQ}; sorted, unique up to count
+    count        [B, G] int32                valid entries per group
+    unit         static int                  tokens per index: 1, P or a multiple of P
+    head_map     [HK] int32 | None           G = HK only: KV head h reads group head_map[h]
+    dense_heads  [HK] bool | None            KV heads that attend to all of [0, length)
+    prior_query  [B, HQ, D] | None           RESA mu_Q, used at q's dtype
+    prior_length [B] int32 | None            prior positions j < prior_length (default lengths)
+
+    Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =
+    (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
+    the attended positions j < prior_length and its weighted sum of v_j (for dense heads
+    that is every j < min(length, prior_length)). An empty set gives out 0 and lse -inf.
+    `tuning` (Pallas only, static): block_n, split_tokens, num_warps, num_stages.
+    """
+    mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
+                         head_map, dense_heads, prior_query, prior_length, tuning)
+    sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
+    if prior_query is not None and prior_length is None:
+        prior_length = lengths
+    unsupported = common.pallas_support(q, k_pages, head_dims=SUPPORTED_HEAD_DIMS,
+                                        page_sizes=SUPPORTED_PAGE_SIZES, dtypes=SUPPORTED_DTYPES,
+                                        max_group=MAX_GROUP_SIZE)
+    if common.choose_backend(backend, unsupported) == "reference":
+        return sparse_decode_attention_reference(
+            q, k_pages, v_pages, page_table, lengths, indices, count, unit=unit,
+            head_map=head_map, dense_heads=dense_heads, prior_query=prior_query,
+            prior_length=prior_length, sm_scale=sm_scale)
+
+    row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
+    dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
+    tuning = {**_default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens),
+              **tuning}
+    _check_tuning(tuning)
+    if head_map is not None:
+        head_map = head_map.astype(jnp.int32)
+    return _sparse_decode_pallas(
+        q, k_pages, v_pages, page_table, lengths, indices, count, head_map, dense_heads,
+        prior_query, prior_length, mode=mode, unit=unit, sm_scale=sm_scale,
+        interpret=common.resolve_interpret(interpret), **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("unit", "sm_scale"))
+def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, indices, count,
+                                      *, unit, head_map=None, dense_heads=None,
+                                      prior_query=None, prior_length=None,
+                                      sm_scale=None) -> SparseAttention:
+    """Plain-jnp twin of `sparse_decode_attention` (fp32): attended-position mask, masked softmax.
+
+    Pages are visited in chunks sized so that no intermediate exceeds [B, HQ, max_pages*P]
+    floats (per stacked query set: q, and mu_Q when prior_query is given).
+    """
+    batch, num_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    max_pages, groups = page_table.shape[1], indices.shape[1]
+    group_size = num_heads // kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    pages_per_chunk = max(1, min(max_pages, max_pages * num_heads // (kv_heads * head_dim)))
+    num_chunks = common.cdiv(max_pages, pages_per_chunk)
+    span = num_chunks * pages_per_chunk * page_size  # padded sequence length
+    pos = jnp.arange(span)
+
+    mask = attended_mask(indices, count, jnp.minimum(lengths, max_pages * page_size),
+                         num_positions=span, num_heads=num_heads, num_kv_heads=kv_heads,
+                         unit=unit, head_map=head_map, dense_heads=dense_heads)  # [B, HQ, span]
+
+    queries = [q]
+    masks = [mask]
+    if prior_query is not None:
+        prior_length = lengths if prior_length is None else prior_length
+        queries.append(prior_query.astype(q.dtype))
+        masks.append(mask & (pos < prior_length[:, None, None]))
+    qs = jnp.stack(queries, 1).astype(jnp.float32).reshape(batch, len(queries), kv_heads,
+                                                            group_size, head_dim)
+    mask = jnp.stack(masks, 1)  # [B, S, HQ, span]
+
+    table = jnp.pad(page_table, ((0, 0), (0, span // page_size - max_pages)))
+    table = table.reshape(batch, num_chunks, pages_per_chunk).transpose(1, 0, 2)
+    hi = lax.Precision.HIGHEST
+
+    def chunk_logits(pages):  # [B, c] page ids -> [B, S, HK, group, c, P] logits
+        k = k_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        return jnp.einsum("bshgd,bchpd->bshgcp", qs, k, precision=hi)
+
+    logits = lax.map(chunk_logits, table)  # [chunks, B, S, HK, group, c, P]
+    logits = logits.transpose(1, 2, 3, 4, 0, 5, 6).reshape(mask.shape) * sm_scale
+    logits = jnp.where(mask, logits, -jnp.inf)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.exp(logits - peak)
+    total = jnp.sum(weights, axis=-1)
+    lse = jnp.where(total > 0, peak[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)),
+                    -jnp.inf)
+    weights = weights / jnp.where(total > 0, total, 1.0)[..., None]
+    weights = weights.reshape(batch, len(queries), kv_heads, group_size, num_chunks,
+                              pages_per_chunk, page_size).transpose(4, 0, 1, 2, 3, 5, 6)
+
+    def chunk_values(acc, xs):
+        pages, w = xs
+        v = v_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        return acc + jnp.einsum("bshgcp,bchpd->bshgd", w, v, precision=hi), None
+
+    out = jnp.zeros((batch, len(queries), kv_heads, group_size, head_dim), jnp.float32)
+    out, _ = lax.scan(chunk_values, out, (table, weights))
+    out = out.reshape(batch, len(queries), num_heads, head_dim)
+    prior = (lse[:, 1], out[:, 1]) if prior_query is not None else None
+    return SparseAttention(out[:, 0].astype(q.dtype), lse[:, 0], prior)
+
+
+def attended_mask(indices, count, lengths, *, num_positions: int, num_heads: int,
+                  num_kv_heads: int, unit: int, head_map=None, dense_heads=None) -> jax.Array:
+    """Which logical positions each query head attends to -> [B, HQ, num_positions] bool.
+
+    The selection semantics of `sparse_decode_attention` as a mask: units of `unit` tokens,
+    G = 1 / HK / HQ groups, the head map, dense heads, entries past `count` and positions
+    >= length skipped. Shared by the reference and the recall diagnostics.
+    """
+    batch, groups = indices.shape[:2]
+    group_size = num_heads // num_kv_heads
+    num_units = common.cdiv(num_positions, unit)
+    entry_live = jnp.arange(indices.shape[2]) < count[..., None]
+    slot = jnp.where(entry_live & (indices >= 0) & (indices < num_units), indices, num_units)
+    cover = jnp.zeros((batch, groups, num_units + 1), jnp.bool_)
+    cover = cover.at[jnp.arange(batch)[:, None, None], jnp.arange(groups)[None, :, None],
+                     slot].set(True)
+    cover = jnp.repeat(cover[..., :num_units], unit, axis=-1)[..., :num_positions]
+    kv_of_head = jnp.arange(num_heads) // group_size
+    if groups == num_kv_heads:
+        group_of_head = (kv_of_head if head_map is None
+                         else jnp.clip(head_map, 0, num_kv_heads - 1)[kv_of_head])
+    elif groups == 1:
+        group_of_head = jnp.zeros((num_heads,), jnp.int32)
+    else:
+        group_of_head = jnp.arange(num_heads)
+    mask = cover[:, group_of_head, :]
+    if dense_heads is not None:
+        mask = mask | dense_heads[kv_of_head][None, :, None]
+    return mask & (jnp.arange(num_positions) < lengths[:, None, None])

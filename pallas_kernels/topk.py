@@ -1,0 +1,416 @@
+"""Top-k selection over score rows: the last step of every select layer.
+
+`topk_select(scores, k, valid=..., k_row=..., force_first=..., force_last=...)` returns, per
+row, the column indices of the `count` best valid columns, sorted ascending and padded with -1
+to the static width k.
+
+Order. Columns compare by score, ties go to the lower index. -inf ranks below every finite
+score and NaN ranks below -inf (still valid, still selectable); -0.0 ties with +0.0. Columns
+>= valid do not exist. Forced columns ([0, force_first) and [valid - force_last, valid), clipped
+to the row) rank above everything and count toward the row's budget.
+
+Count. count = min(valid, max(k_row, forced)) with forced = min(valid, force_first +
+force_last): the forced columns are kept even where they outnumber k_row; when valid <= k_row
+every valid column is kept. force_first + force_last > k is a ValueError (the forced columns
+alone could overflow the buffer). k may exceed N (a budget larger than the context); the extra
+slots stay -1.
+
+The Pallas kernel is a radix select, one program per row (or per `block_rows` rows):
+  1. keys: each float maps to an int32 that orders like the floats (sign-magnitude -> two's
+     complement, -0.0 -> +0.0, NaN -> INT32_MIN + 1); forced -> INT32_MAX; columns >= valid
+     are never read and count as INT32_MIN.
+  2. search: a bitwise binary search over the 32 key bits for the row's count-th largest key
+     T, one row-wide count (keys >= candidate) per bit. It stops early once a candidate leaves
+     exactly `count` keys above it, which on continuous scores saves the last ~10 bits.
+  3. keep: one pass keeps keys > T and the first ties at T in index order, and scatters the
+     kept column indices to ascending slots; a single cumsum carries both running counts.
+A row of up to `block_n` columns (default 32768) is loaded once and searched in registers:
+its cost is one HBM read plus <= 32 register-resident reductions. A longer row is re-read
+once per bit (from L2 when the rows in flight fit, else from HBM).
+NaN is not rejected (that would need a device-to-host check); it ranks lowest, as above.
+
+Budget helpers give k_row per row for LycheeDecode's four budget modes and Kascade's ratio:
+  TopK       fixed_budget(k, valid)
+  Ratio      ratio_budget(ratio, valid, minimum, maximum): Lychee's sparsity theta is
+             ratio = 1 - theta; Kascade is ratio_budget(0.1, valid, minimum=128)
+  TopP       top_p_budget(scores, p, valid, logits=...)
+  Threshold  threshold_budget(scores, threshold, valid, logits=...)
+"""
+from __future__ import annotations
+
+import fractions
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sparsejax.pallas_kernels import common
+from sparsejax.pallas_kernels.common import pl, plgpu
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+MISSING_KEY = INT32_MIN        # columns >= valid: never counted as candidates
+NAN_KEY = INT32_MIN + 1        # NaN: below -inf (whose key is -2139095041)
+FORCED_KEY = INT32_MAX         # forced columns: above +inf (whose key is 2139095040)
+
+TUNING = ("block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages")
+
+
+class Selected(NamedTuple):
+    indices: jax.Array  # [R, k] int32, ascending, -1 after count
+    count: jax.Array    # [R] int32
+
+
+def _order_key(x):
+    """float32 -> int32 whose signed order is the score order (NaN lowest, -0.0 == +0.0)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ (lax.shift_right_arithmetic(bits, 31) & INT32_MAX)
+    key = jnp.where(key == -1, 0, key)  # -0.0 -> +0.0
+    return jnp.where(x != x, NAN_KEY, key)
+
+
+def _forced_mask(cols, valid, force_first: int, force_last: int):
+    return (cols < force_first) | (cols >= valid - force_last)
+
+
+def _budget(valid, k_row, force_first: int, force_last: int):
+    return jnp.minimum(valid, jnp.maximum(k_row, jnp.minimum(valid, force_first + force_last)))
+
+
+# --------------------------------------------------------------------------------------------
+# Pallas kernel
+
+
+def _topk_kernel(scores_ref,   # [R, N] float32
+                 valid_ref,    # [R] int32
+                 k_row_ref,    # [R] int32
+                 indices_ref,  # [R, k] int32 (out)
+                 count_ref,    # [R] int32 (out)
+                 *, k: int, force_first: int, force_last: int, block_rows: int, block_n: int,
+                 block_sel: int, block_k: int):
+    num_rows, n = scores_ref.shape
+    rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
+    row_ok = rows < num_rows
+    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
+    k_row = jnp.clip(plgpu.load(k_row_ref.at[rows], mask=row_ok, other=0), 0, k)
+    budget = _budget(valid, k_row, force_first, force_last)                          # [BR]
+    # Masked lanes point out of bounds so that interpret mode's scatter drops them.
+    store_rows = jnp.where(row_ok, rows, num_rows)[:, None]                          # [BR, 1]
+
+    def tile_keys(start, width):
+        cols = start + lax.iota(jnp.int32, width)[None, :]                           # [1, W]
+        present = row_ok[:, None] & (cols < valid[:, None])                          # [BR, W]
+        x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
+        forced = _forced_mask(cols, valid[:, None], force_first, force_last)
+        key = jnp.where(forced, FORCED_KEY, _order_key(x))
+        return cols, jnp.where(present, key, MISSING_KEY)
+
+    resident_keys = tile_keys(0, block_n)[1] if block_n >= n else None              # [BR, BN]
+
+    def count_at_least(thr):  # [BR] -> [BR]: keys >= thr per row
+        if resident_keys is not None:
+            return jnp.sum((resident_keys >= thr[:, None]).astype(jnp.int32), axis=1)
+        num_tiles = pl.cdiv(jnp.max(valid), block_n)
+
+        def body(t, acc):
+            _, key = tile_keys(t * block_n, block_n)
+            return acc + jnp.sum((key >= thr[:, None]).astype(jnp.int32), axis=1)
+        return lax.fori_loop(0, num_tiles, body, jnp.zeros_like(thr))
+
+    # Bitwise search in the unsigned domain (u = key ^ INT32_MIN) for the largest t with
+    # count(u >= t) >= budget. `above` tracks count(u > t): it is the count at the latest
+    # failed candidate (t + 1 is exactly that candidate). A candidate that leaves exactly
+    # `budget` keys at or above it ends the row's search: those are kept, no tie is broken.
+    def search_cond(carry):
+        bit, _, _, _, done = carry
+        return (bit != 0) & (jnp.min(done) == 0)  # min, not all: no reduce_and in Triton
+
+    def search_step(carry):
+        bit, t, thr, above, done = carry
+        cand = t | bit
+        count = count_at_least(cand ^ INT32_MIN)
+        live = done == 0
+        exact = live & (count == budget)
+        thr = jnp.where(exact, (cand ^ INT32_MIN) - 1, thr)
+        above = jnp.where(live & (count <= budget), count, above)
+        t = jnp.where(count >= budget, cand, t)
+        return lax.shift_right_logical(bit, 1), t, thr, above, done | exact.astype(jnp.int32)
+
+    zeros = jnp.zeros((block_rows,), jnp.int32)
+    init = (jnp.full((), INT32_MIN, jnp.int32), zeros, zeros, zeros, zeros)
+    _, t, thr, above, done = lax.while_loop(search_cond, search_step, init)
+    thr = jnp.where(done == 1, thr, t ^ INT32_MIN)  # keep key > thr, then the first ties at thr
+    ties_wanted = budget - above
+    num_sel_tiles = pl.cdiv(jnp.max(valid), block_sel)
+
+    # Kept: key > thr, and ties at thr while their running count E <= ties_wanted. With G the
+    # running count of key > thr, a kept column lands at G + min(E, ties_wanted) - 1. One
+    # scan carries both counts: G in the low 16 bits, E in the high 16 (block_sel <= 2**15).
+    def keep_tile(i, carry):
+        above_seen, ties_seen = carry
+        cols, key = tile_keys(i * block_sel, block_sel)
+        gt, tie = key > thr[:, None], key == thr[:, None]
+        packed = gt.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
+        both = jnp.cumsum(packed, axis=1)
+        above_run = above_seen[:, None] + (both & 0xFFFF)
+        ties_run = ties_seen[:, None] + lax.shift_right_logical(both, 16)
+        keep = gt | (tie & (ties_run <= ties_wanted[:, None]))
+        pos = jnp.where(keep, above_run + jnp.minimum(ties_run, ties_wanted[:, None]) - 1, k)
+        plgpu.store(indices_ref.at[store_rows, pos], jnp.broadcast_to(cols, keep.shape),
+                    mask=keep & row_ok[:, None])
+        total = jnp.sum(packed, axis=1)
+        return above_seen + (total & 0xFFFF), ties_seen + lax.shift_right_logical(total, 16)
+
+    lax.fori_loop(0, num_sel_tiles, keep_tile, (zeros, zeros))
+
+    # Padding goes only to slots >= count, so no slot is written twice.
+    @pl.loop(0, pl.cdiv(k, block_k))
+    def _(i):
+        slots = i * block_k + lax.iota(jnp.int32, block_k)[None, :]                  # [1, BK]
+        pad = row_ok[:, None] & (slots >= budget[:, None]) & (slots < k)
+        plgpu.store(indices_ref.at[store_rows, jnp.where(pad, slots, k)],
+                    jnp.full(pad.shape, -1, jnp.int32), mask=pad)
+
+    plgpu.store(count_ref.at[store_rows[:, 0]], budget, mask=row_ok)
+
+
+def _topk_pallas(scores, valid, k_row, *, k, force_first, force_last, block_rows, block_n,
+                 block_sel, block_k, num_warps, num_stages, interpret):
+    num_rows, _ = scores.shape
+    kernel = functools.partial(
+        _topk_kernel, k=k, force_first=force_first, force_last=force_last,
+        block_rows=block_rows, block_n=block_n, block_sel=block_sel, block_k=block_k)
+    return common.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
+        grid=(common.cdiv(num_rows, block_rows),),
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="topk_select",
+    )(scores, valid, k_row)
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+
+
+def _check_inputs(scores, k, valid, k_row, force_first, force_last):
+    if scores.ndim != 2 or scores.dtype != jnp.float32:
+        raise ValueError(f"scores: shape={scores.shape} dtype={scores.dtype}: "
+                         "expected a [R, N] float32 array")
+    num_rows, _ = scores.shape
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k={k!r}: expected a static int >= 1 (the output width)")
+    for name, value in (("force_first", force_first), ("force_last", force_last)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected a static int >= 0")
+    if force_first + force_last > k:
+        raise ValueError(f"force_first + force_last = {force_first} + {force_last} > k={k}: "
+                         "the forced columns alone could overflow the output")
+    for name, value in (("valid", valid), ("k_row", k_row)):
+        if value is None:
+            continue
+        shape, dtype = jnp.shape(value), jnp.result_type(value)
+        if shape != (num_rows,) or not jnp.issubdtype(dtype, jnp.integer):
+            raise ValueError(f"{name}: shape={shape} dtype={dtype}: expected [{num_rows}] int "
+                             f"(one per row of scores {scores.shape})")
+
+
+def _default_tuning(n: int, k: int, tuning: dict) -> dict:
+    unknown = sorted(set(tuning) - set(TUNING))
+    if unknown:
+        raise ValueError(f"unknown tuning knob(s) {unknown}: expected some of {TUNING}")
+    n_pow2 = common.next_power_of_2(n)
+    out = dict(block_rows=1, block_n=min(n_pow2, 32768), block_sel=min(n_pow2, 4096),
+               block_k=min(common.next_power_of_2(k), 1024), num_stages=1)
+    out.update(tuning)
+    out.setdefault("num_warps", max(4, min(16, out["block_rows"] * out["block_n"] // 1024)))
+    for name in ("block_rows", "block_n", "block_sel", "block_k"):
+        value = out[name]
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name}={value!r}: expected a power of 2 (Triton block sizes)")
+    if out["block_sel"] > 1 << 15:
+        raise ValueError(f"block_sel={out['block_sel']}: expected <= 32768 (16-bit scan fields)")
+    for name in ("num_warps", "num_stages"):
+        if not isinstance(out[name], int) or out[name] < 1:
+            raise ValueError(f"{name}={out[name]!r}: expected an int >= 1")
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "k", "force_first", "force_last", "backend", "interpret", *TUNING))
+def _topk_select_jit(scores, valid, k_row, *, k, force_first, force_last, backend, interpret,
+                     **tuning):
+    if backend == "reference":
+        return topk_select_reference(scores, k, valid=valid, k_row=k_row,
+                                     force_first=force_first, force_last=force_last)
+    indices, count = _topk_pallas(scores, valid, k_row, k=k, force_first=force_first,
+                                  force_last=force_last, interpret=interpret, **tuning)
+    return Selected(indices, count)
+
+
+def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, force_last: int = 0,
+                backend: str = "auto", interpret: bool | None = None, **tuning) -> Selected:
+    """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
+
+    scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
+    k       static int >= 1: output width (may exceed N)
+    valid   [R] int: columns that exist per row (clipped to [0, N])
+    k_row   [R] int: the row's budget (clipped to [0, k]); None means k
+    force_first, force_last: static ints; columns [0, force_first) and
+            [valid - force_last, valid) are always kept and count toward the budget
+    tuning  Pallas knobs: block_rows, block_n (rows up to this width stay in registers),
+            block_sel, block_k, num_warps, num_stages
+    Returns Selected(indices [R, k] int32, count [R] int32) with
+    count = min(valid, max(k_row, min(valid, force_first + force_last))).
+    """
+    _check_inputs(scores, k, valid, k_row, force_first, force_last)
+    backend = common.resolve_backend(backend)
+    num_rows, n = scores.shape
+    tuning = _default_tuning(n, k, tuning)  # validated on every backend, used by Pallas only
+    valid = jnp.asarray(valid, jnp.int32)
+    k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)
+    return _topk_select_jit(scores, valid, k_row, k=k, force_first=force_first,
+                            force_last=force_last, backend=backend,
+                            interpret=common.resolve_interpret(interpret),
+                            **(tuning if backend == "pallas" else {}))
+
+
+# --------------------------------------------------------------------------------------------
+# Reference
+
+
+def topk_select_reference(scores, k: int, *, valid, k_row=None, force_first: int = 0,
+                          force_last: int = 0) -> Selected:
+    """Plain jnp twin of `topk_select` built on `lax.top_k` (ties: lower index first)."""
+    _check_inputs(scores, k, valid, k_row, force_first, force_last)
+    num_rows, n = scores.shape
+    valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, n)[:, None]                   # [R, 1]
+    k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)
+    count = _budget(valid[:, 0], jnp.clip(k_row, 0, k), force_first, force_last)     # [R]
+    cols = jnp.arange(n, dtype=jnp.int32)[None, :]
+    key = jnp.where(_forced_mask(cols, valid, force_first, force_last), FORCED_KEY,
+                    _order_key(scores))
+    key = jnp.where(cols < valid, key, MISSING_KEY)
+    key = jnp.pad(key, ((0, 0), (0, max(0, k - n))), constant_values=MISSING_KEY)
+    _, top = lax.top_k(key, k)                                                        # [R, k]
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+    top = jnp.sort(jnp.where(slot < count[:, None], top, INT32_MAX), axis=1)
+    return Selected(jnp.where(slot < count[:, None], top, -1).astype(jnp.int32), count)
+
+
+# --------------------------------------------------------------------------------------------
+# Budgets: k_row [R] int32 for topk_select
+
+
+def _check_valid(valid):
+    valid = jnp.asarray(valid)
+    if valid.ndim != 1 or not jnp.issubdtype(valid.dtype, jnp.integer):
+        raise ValueError(f"valid: shape={valid.shape} dtype={valid.dtype}: expected [R] int")
+    return jnp.maximum(valid.astype(jnp.int32), 0)
+
+
+def _check_fraction(name, value, *, allow_zero):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+        0 <= value <= 1 if allow_zero else 0 < value <= 1)
+    if not ok:
+        raise ValueError(f"{name}={value!r}: expected a static number in "
+                         f"{'[0, 1]' if allow_zero else '(0, 1]'}")
+
+
+def fixed_budget(k, valid):
+    """TopK: min(k, valid) per row. k: int >= 0 or [R] int."""
+    if isinstance(k, int) and k < 0:
+        raise ValueError(f"k={k}: expected >= 0")
+    return jnp.minimum(jnp.asarray(k, jnp.int32), _check_valid(valid))
+
+
+def ratio_budget(ratio: float, valid, minimum: int = 0, maximum: int | None = None):
+    """Ratio: min(max(floor(ratio * valid), minimum), valid[, maximum]) per row.
+
+    Kascade's k = min(max(0.1 * len, 128), len) is ratio_budget(0.1, valid, minimum=128);
+    LycheeDecode's Ratio with sparsity theta keeps int((1 - theta) * len): ratio = 1 - theta.
+    `ratio` is taken as the nearest fraction num/den with den <= 2**15 (exact for decimals such
+    as 0.1 or 0.05) and the floor is computed exactly in int32, so 0.1 * 30 gives 3 and never
+    2 through float rounding. `maximum` (e.g. the static k of the buffer) caps the result.
+    """
+    _check_fraction("ratio", ratio, allow_zero=True)
+    if not isinstance(minimum, int) or minimum < 0:
+        raise ValueError(f"minimum={minimum!r}: expected a static int >= 0")
+    if maximum is not None and (not isinstance(maximum, int) or maximum < minimum):
+        raise ValueError(f"maximum={maximum!r}: expected None or a static int >= {minimum=}")
+    valid = _check_valid(valid)
+    frac = fractions.Fraction(ratio).limit_denominator(1 << 15)
+    num, den = frac.numerator, frac.denominator
+    # num * valid overflows int32; split valid = q * den + r (num <= den, r < den <= 2**15).
+    k = num * (valid // den) + (num * (valid % den)) // den
+    k = jnp.minimum(jnp.maximum(k, minimum), valid)
+    return k if maximum is None else jnp.minimum(k, maximum)
+
+
+def _row_probabilities(scores, valid, logits: bool):
+    """(probabilities [R, N] over each row's valid columns, 0 elsewhere; that mask; valid)."""
+    if scores.ndim != 2 or not jnp.issubdtype(scores.dtype, jnp.floating):
+        raise ValueError(f"scores: shape={scores.shape} dtype={scores.dtype}: "
+                         "expected a [R, N] float array")
+    valid = _check_valid(valid)
+    if valid.shape[0] != scores.shape[0]:
+        raise ValueError(f"valid: shape={valid.shape}: expected [{scores.shape[0]}] "
+                         f"(one per row of scores {scores.shape})")
+    scores = scores.astype(jnp.float32)
+    present = jnp.arange(scores.shape[1])[None, :] < valid[:, None]
+    if logits:
+        top = jnp.max(jnp.where(present, scores, -jnp.inf), axis=1, keepdims=True)
+        mass = jnp.where(present, jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0)), 0.0)
+    else:
+        mass = jnp.where(present, scores, 0.0)
+    total = jnp.sum(mass, axis=1, keepdims=True)
+    return mass / jnp.where(total > 0, total, 1.0), present, valid
+
+
+def top_p_budget(scores, p: float, valid, *, logits: bool = True):
+    """TopP: the fewest columns whose probability mass reaches p (0 < p <= 1), per row.
+
+    scores [R, N]: logits (probabilities = softmax over the valid columns) when logits=True,
+    else non-negative weights (probabilities = weights / their sum over the valid columns,
+    e.g. post-softmax attention pooled over heads). Forced columns get no special treatment:
+    the budget counts the columns the scores themselves need. A row whose float mass falls
+    short of p (or that has no mass at all) keeps all valid columns; an empty row gets 0.
+    NaN scores give an unspecified budget.
+
+    No sort: a 31-step bitwise search over the bits of the (non-negative) probabilities finds
+    the largest probability t with mass(prob >= t) >= p, each step one masked row sum; ties
+    at t are then counted as ceil((p - mass(prob > t)) / t).
+    """
+    _check_fraction("p", p, allow_zero=False)
+    prob, present, valid = _row_probabilities(scores, valid, logits)
+
+    def step(i, t):  # t [R]: int32 bits of a non-negative float; such bits order like the floats
+        cand = t | lax.shift_left(jnp.int32(1), 30 - i)
+        mass = jnp.sum(jnp.where(prob >= lax.bitcast_convert_type(cand, jnp.float32)[:, None],
+                                 prob, 0.0), axis=1)
+        return jnp.where(mass >= p, cand, t)
+
+    t_bits = lax.fori_loop(0, 31, step, jnp.zeros(prob.shape[:1], jnp.int32))
+    t = lax.bitcast_convert_type(t_bits, jnp.float32)[:, None]
+    above = prob > t
+    mass_above = jnp.sum(jnp.where(above, prob, 0.0), axis=1)
+    ties = jnp.sum(present & (prob == t), axis=1)
+    need = jnp.ceil((p - mass_above) / jnp.where(t[:, 0] > 0, t[:, 0], 1.0)).astype(jnp.int32)
+    count = jnp.sum(above, axis=1) + jnp.clip(need, 1, ties)
+    return jnp.where(t_bits > 0, count, valid).astype(jnp.int32)
+
+
+def threshold_budget(scores, threshold: float, valid, *, logits: bool = True):
+    """Threshold: valid columns with probability >= threshold, at least 1 (0 for an empty row).
+
+    Probabilities as in `top_p_budget`. LycheeDecode's reference code keeps prob > threshold;
+    the two differ only on exact equality.
+    """
+    _check_fraction("threshold", threshold, allow_zero=False)
+    prob, present, valid = _row_probabilities(scores, valid, logits)
+    count = jnp.sum(present & (prob >= threshold), axis=1)
+    return jnp.minimum(jnp.maximum(count, 1), valid).astype(jnp.int32)

@@ -1,0 +1,37 @@
+"""Shared test configuration.
+
+CPU by default. `pytest --gpu` (or `-m gpu`) on a CUDA machine runs the kernels natively
+instead of in interpret mode; tests marked `gpu` are skipped without a GPU.
+"""
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", False)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true", help="run Pallas kernels natively on the GPU")
+
+
+def pytest_configure(config):
+    if config.getoption("--gpu") and jax.default_backend() != "gpu":
+        raise pytest.UsageError("--gpu given but jax sees no GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() == "gpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def interpret():
+    """Interpret mode for Pallas kernels: True on CPU, False on a GPU."""
+    return jax.default_backend() != "gpu"

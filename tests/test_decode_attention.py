@@ -1,0 +1,368 @@
+"""Paged decode attention: Pallas kernel vs the jnp reference, reference vs float64 numpy."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_checks import lower_for_cuda, max_row_rel_error
+from sparsejax.pallas_kernels.decode_attention import (
+    DecodeAttention, paged_decode_attention, paged_decode_attention_reference)
+
+OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
+LSE_ATOL = 1e-4
+SCORE_RTOL, SCORE_ATOL = 1e-4, 1e-5
+SCORES = (None, "max_heads", "group_sum", "mean_query", "head_probs")
+
+
+def make_case(seed, *, batch, q_heads, kv_heads, head_dim, page_size, max_pages, lengths,
+              dtype, spare_pages=3):
+    """Inputs over a shuffled, non-contiguous page pool.
+
+    Every cache slot that is not a valid token (tails of last pages, unused pages) holds NaN
+    and every page-table entry past a row's pages is an invalid id, so any read past the
+    length poisons the result.
+    """
+    rng = np.random.default_rng(seed)
+    num_pages = batch * max_pages + spare_pages
+    q = rng.standard_normal((batch, q_heads, head_dim), np.float32)
+    k = np.full((num_pages, kv_heads, page_size, head_dim), np.nan, np.float32)
+    v = np.full_like(k, np.nan)
+    page_table = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
+    for b, n in enumerate(lengths):
+        used = -(-n // page_size)
+        for t in range(n):
+            page = page_table[b, t // page_size]
+            k[page, :, t % page_size] = rng.standard_normal((kv_heads, head_dim))
+            v[page, :, t % page_size] = rng.standard_normal((kv_heads, head_dim))
+        page_table[b, used:] = rng.choice([-1, num_pages + 5, 2**30], max_pages - used)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
+            jnp.asarray(page_table, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+
+def assert_scores_match(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    finite = np.isfinite(want)
+    assert np.isfinite(got[finite]).all()
+    np.testing.assert_allclose(got[finite], want[finite], rtol=SCORE_RTOL, atol=SCORE_ATOL)
+
+
+def assert_matches_reference(args, *, score, dtype, interpret, kv_heads=None, **tuning):
+    if kv_heads is not None:
+        kv_heads = jnp.asarray(kv_heads)
+    got = paged_decode_attention(*args, score=score, kv_heads=kv_heads, backend="pallas",
+                                 interpret=interpret, **tuning)
+    want = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads)
+    assert isinstance(got, DecodeAttention)
+    assert got.out.shape == args[0].shape and got.out.dtype == args[0].dtype
+    assert got.lse.shape == args[0].shape[:2] and got.lse.dtype == jnp.float32
+    err = max_row_rel_error(got.out, want.out)
+    assert err <= OUT_TOL[dtype], err
+    np.testing.assert_allclose(got.lse, want.lse, rtol=0, atol=LSE_ATOL)
+    if score is None:
+        assert got.scores is None and want.scores is None
+    else:
+        assert_scores_match(got.scores, want.scores)
+
+
+def special_lengths(draw, batch, page_size, max_tokens):
+    picks = [1, page_size - 1, page_size, page_size + 1, max_tokens, max_tokens - 1]
+    choice = st.one_of(st.sampled_from(picks), st.integers(1, max_tokens))
+    return [min(max(draw(choice), 1), max_tokens) for _ in range(batch)]
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32]))
+    head_dim = draw(st.sampled_from([64, 128, 256]))
+    page_size = draw(st.sampled_from([8, 16, 32, 64, 128]))
+    group = draw(st.sampled_from([1, 3, 4, 8, 16]))
+    kv_heads = draw(st.sampled_from([1, 2]))
+    batch = draw(st.integers(1, 3))
+    max_pages = draw(st.integers(1, max(1, 256 // page_size)))
+    max_tokens = max_pages * page_size
+    cfg = dict(batch=batch, q_heads=group * kv_heads, kv_heads=kv_heads, head_dim=head_dim,
+               page_size=page_size, max_pages=max_pages, dtype=dtype,
+               lengths=special_lengths(draw, batch, page_size, max_tokens))
+    opts = dict(block_n=draw(st.sampled_from([None, 16, 32, 64])),
+                num_splits=draw(st.sampled_from([None, 1, 2, 3, 8])),
+                kv_heads=draw(st.one_of(st.none(), st.lists(
+                    st.booleans(), min_size=kv_heads, max_size=kv_heads))))
+    return cfg, draw(st.sampled_from(SCORES)), opts, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=cases())
+def test_matches_reference_hypothesis(case, interpret):
+    cfg, score, opts, seed = case
+    opts = {k: v for k, v in opts.items() if v is not None}
+    assert_matches_reference(make_case(seed, **cfg), score=score, dtype=cfg["dtype"],
+                             interpret=interpret, **opts)
+
+
+# Hand-picked corners that a small derandomized sample might miss: every score with groups
+# 1/4/8/16, every head_dim and page size, lengths at page boundaries, splits left empty,
+# skipped KV heads, an empty row.
+def _corner(q_heads, num_kv_heads, head_dim, page_size, max_pages, lengths, score, dtype,
+            **opts):
+    cfg = dict(q_heads=q_heads, kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+               max_pages=max_pages, lengths=lengths)
+    return cfg, score, dtype, opts
+
+
+CORNERS = [
+    _corner(8, 8, 64, 8, 6, [1, 7, 8, 9, 48], None, jnp.float32),
+    _corner(16, 4, 128, 16, 5, [15, 16, 17, 80], "max_heads", jnp.bfloat16, block_n=32,
+            num_splits=4),
+    _corner(16, 2, 256, 32, 3, [31, 96, 33], "group_sum", jnp.float16, num_splits=8),
+    _corner(16, 1, 128, 64, 2, [1, 65, 128], "mean_query", jnp.float32, block_n=16),
+    _corner(32, 2, 64, 128, 2, [129, 256], "max_heads", jnp.float32, block_n=64, num_splits=3),
+    _corner(12, 3, 128, 8, 9, [72, 1, 40], "group_sum", jnp.bfloat16),
+    _corner(8, 2, 64, 16, 4, [17, 64], "head_probs", jnp.bfloat16, block_n=32),
+    _corner(12, 3, 64, 8, 5, [9, 0, 40], "max_heads", jnp.float32, kv_heads=(True, False, True),
+            num_splits=2),
+    _corner(8, 2, 128, 16, 3, [1, 33], "mean_query", jnp.bfloat16, kv_heads=(False, True)),
+]
+
+
+@pytest.mark.parametrize("cfg,score,dtype,opts", CORNERS)
+def test_matches_reference_corners(cfg, score, dtype, opts, interpret):
+    args = make_case(7, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    assert_matches_reference(args, score=score, dtype=dtype, interpret=interpret, **opts)
+
+
+def numpy_attention(q, k_pages, v_pages, page_table, lengths, sm_scale):
+    """float64 loops over rows and heads: out, lse and every score."""
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    batch, q_heads, _ = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    max_pages = page_table.shape[1]
+    group = q_heads // kv_heads
+    out, lse = np.zeros(q.shape), np.zeros((batch, q_heads))
+    max_heads = np.full((batch, max_pages), -np.inf)
+    group_sum = np.full((batch, kv_heads, max_pages * page_size), -np.inf)
+    mean_query = np.full_like(group_sum, -np.inf)
+    head_probs = np.full((batch, q_heads, max_pages * page_size), -np.inf)
+    for b in range(batch):
+        n = int(lengths[b])
+        pages = [int(page_table[b, t // page_size]) for t in range(n)]
+        probs = head_probs[b, :, :n]
+        for h in range(q_heads):
+            kv = h // group
+            k = np.stack([k_pages[p, kv, t % page_size] for t, p in enumerate(pages)])
+            v = np.stack([v_pages[p, kv, t % page_size] for t, p in enumerate(pages)])
+            s = k @ q[b, h] * sm_scale
+            lse[b, h] = np.log(np.sum(np.exp(s - s.max()))) + s.max()
+            probs[h] = np.exp(s - lse[b, h])
+            out[b, h] = probs[h] @ v
+        for kv in range(kv_heads):
+            rows = slice(kv * group, (kv + 1) * group)
+            k = np.stack([k_pages[p, kv, t % page_size] for t, p in enumerate(pages)])
+            group_sum[b, kv, :n] = probs[rows].sum(0)
+            mean_query[b, kv, :n] = k @ q[b, rows].mean(0) * sm_scale
+        per_token = probs.max(0)
+        for page in range(-(-n // page_size)):
+            max_heads[b, page] = per_token[page * page_size:(page + 1) * page_size].sum()
+    return out, lse, dict(max_heads=max_heads, group_sum=group_sum, mean_query=mean_query,
+                          head_probs=head_probs)
+
+
+@pytest.mark.parametrize("seed,cfg", [
+    (1, dict(q_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=4, lengths=[1, 9, 32])),
+    (2, dict(q_heads=4, kv_heads=4, head_dim=128, page_size=16, max_pages=3, lengths=[16, 47])),
+])
+def test_reference_matches_float64_numpy(seed, cfg):
+    args = make_case(seed, batch=len(cfg["lengths"]), dtype=jnp.float32, **cfg)
+    sm_scale = 0.3
+    out, lse, scores = numpy_attention(*args, sm_scale)
+    for score in SCORES:
+        ref = paged_decode_attention_reference(*args, score=score, sm_scale=sm_scale)
+        assert max_row_rel_error(ref.out, out) <= 1e-5
+        np.testing.assert_allclose(ref.lse, lse, rtol=0, atol=1e-5)
+        if score is not None:
+            got = np.asarray(ref.scores)
+            np.testing.assert_array_equal(np.isneginf(got), np.isneginf(scores[score]))
+            finite = np.isfinite(scores[score])
+            np.testing.assert_allclose(got[finite], scores[score][finite], rtol=1e-5, atol=1e-6)
+
+
+def test_negative_controls_fail_the_metric(interpret):
+    """Reading K for V, or ignoring the page table, must fail the tolerances used above."""
+    cfg = dict(batch=2, q_heads=8, kv_heads=2, head_dim=64, page_size=16, max_pages=4,
+               lengths=[40, 64], dtype=jnp.bfloat16)
+    q, k, v, page_table, lengths = make_case(3, **cfg)
+    want = paged_decode_attention_reference(q, k, v, page_table, lengths)
+    swapped = paged_decode_attention(q, v, k, page_table, lengths, backend="pallas",
+                                     interpret=interpret)
+    assert max_row_rel_error(swapped.out, want.out) > 10 * OUT_TOL[jnp.bfloat16]
+    assert np.max(np.abs(np.asarray(swapped.lse - want.lse))) > 10 * LSE_ATOL
+    in_order = jnp.arange(page_table.size, dtype=jnp.int32).reshape(page_table.shape)
+    unpaged = paged_decode_attention(q, k, v, in_order, lengths, backend="pallas",
+                                     interpret=interpret)
+    assert not max_row_rel_error(unpaged.out, want.out) <= OUT_TOL[jnp.bfloat16]
+
+
+def test_scan_over_layers_with_offset_page_table(interpret):
+    """The model's use: one multi-layer cache, page ids offset by layer * num_pages."""
+    layers = 3
+    q0, k0, v0, page_table, lengths = make_case(10, batch=2, q_heads=8, kv_heads=2, head_dim=64,
+                                                page_size=8, max_pages=4, lengths=[5, 29],
+                                                dtype=jnp.float32, spare_pages=0)
+    bf16 = lambda x: x.astype(jnp.bfloat16)
+    q = bf16(jnp.stack([q0 * (i + 1) for i in range(layers)]))
+    ks = [bf16(k0 * (1 - 0.3 * i)) for i in range(layers)]
+    vs = [bf16(v0 + i) for i in range(layers)]
+    k_all, v_all = jnp.concatenate(ks), jnp.concatenate(vs)
+    num_pages = k0.shape[0]
+
+    @jax.jit
+    def run(q, k_all, v_all):
+        def layer(_, xs):
+            q_l, offset = xs
+            r = paged_decode_attention(q_l, k_all, v_all, page_table + offset, lengths,
+                                       score="group_sum", backend="pallas", interpret=interpret)
+            return None, r
+        return jax.lax.scan(layer, None, (q, jnp.arange(layers, dtype=jnp.int32) * num_pages))[1]
+
+    got = run(q, k_all, v_all)
+    for i in range(layers):
+        want = paged_decode_attention_reference(q[i], ks[i], vs[i], page_table, lengths,
+                                                score="group_sum")
+        assert max_row_rel_error(got.out[i], want.out) <= OUT_TOL[jnp.bfloat16]
+        np.testing.assert_allclose(got.lse[i], want.lse, rtol=0, atol=LSE_ATOL)
+        assert_scores_match(got.scores[i], want.scores)
+
+
+def test_auto_backend_is_reference_on_cpu():
+    args = make_case(4, batch=2, q_heads=4, kv_heads=2, head_dim=64, page_size=8, max_pages=2,
+                     lengths=[3, 16], dtype=jnp.float32)
+    if jax.default_backend() == "gpu":
+        pytest.skip("auto picks Pallas on GPU")
+    auto = paged_decode_attention(*args, score="mean_query")
+    ref = paged_decode_attention_reference(*args, score="mean_query")
+    for a, b in zip(auto, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def _valid_args(**over):
+    shapes = dict(q=((2, 8, 64), jnp.bfloat16), k_pages=((6, 2, 16, 64), jnp.bfloat16),
+                  v_pages=((6, 2, 16, 64), jnp.bfloat16), page_table=((2, 3), jnp.int32),
+                  lengths=((2,), jnp.int32))
+    shapes.update(over)
+    return [jnp.zeros(s, d) for s, d in shapes.values()]
+
+
+@pytest.mark.parametrize("over,kwargs,error,match", [
+    (dict(q=((2, 8, 96), jnp.bfloat16), k_pages=((6, 2, 16, 96), jnp.bfloat16),
+          v_pages=((6, 2, 16, 96), jnp.bfloat16)),
+     dict(backend="pallas"), ValueError, r"head_dim=96: expected one of \(64, 128, 256\)"),
+    (dict(k_pages=((6, 2, 24, 64), jnp.bfloat16), v_pages=((6, 2, 24, 64), jnp.bfloat16)),
+     dict(backend="pallas"), ValueError, r"page_size=24: expected one of \(8, 16, 32, 64, 128\)"),
+    (dict(q=((2, 64, 64), jnp.bfloat16)), dict(backend="pallas"), ValueError,
+     r"group size 32: expected at most 16"),
+    (dict(q=((2, 7, 64), jnp.bfloat16)), {}, ValueError, r"q_heads=7: expected a multiple of"),
+    (dict(k_pages=((6, 2, 16, 64), jnp.float32)), {}, ValueError, r"k_pages\.dtype=float32"),
+    (dict(v_pages=((6, 2, 16, 64), jnp.float16)), {}, ValueError, r"v_pages\.dtype=float16"),
+    (dict(q=((2, 8, 64), jnp.int32), k_pages=((6, 2, 16, 64), jnp.int32),
+          v_pages=((6, 2, 16, 64), jnp.int32)), {}, ValueError, r"q\.dtype=int32"),
+    (dict(v_pages=((7, 2, 16, 64), jnp.bfloat16)),
+     {}, ValueError, r"v_pages\.shape=\(7, 2, 16, 64\)"),
+    (dict(k_pages=((6, 16, 64), jnp.bfloat16)), {}, ValueError, r"k_pages\.shape"),
+    (dict(q=((2, 64), jnp.bfloat16)), {}, ValueError, r"q\.shape=\(2, 64\)"),
+    (dict(page_table=((3, 3), jnp.int32)), {}, ValueError, r"page_table int32\[3, 3\]"),
+    (dict(page_table=((2, 3), jnp.float32)), {}, ValueError, r"page_table float32"),
+    (dict(lengths=((2, 1), jnp.int32)), {}, ValueError, r"lengths int32\[2, 1\]"),
+    ({}, dict(score="top"), ValueError, r"score='top'"),
+    ({}, dict(backend="cuda"), ValueError, r"backend='cuda'"),
+    ({}, dict(backend="pallas", block_n=48), ValueError, r"block_n=48"),
+    ({}, dict(backend="pallas", block_n=8), ValueError, r"block_n=8"),
+    ({}, dict(backend="pallas", num_splits=0), ValueError, r"num_splits=0"),
+    ({}, dict(backend="pallas", num_warps=3), ValueError, r"num_warps=3"),
+    ({}, dict(backend="pallas", num_stages=0), ValueError, r"num_stages=0"),
+    ({}, dict(pages_per_blok=2), TypeError, r"pages_per_blok"),
+    ({}, dict(kv_heads=jnp.ones((3,), bool)), ValueError, r"kv_heads bool\[3\]"),
+    ({}, dict(kv_heads=jnp.ones((2,), jnp.float32)), ValueError, r"kv_heads float32\[2\]"),
+])
+def test_bad_inputs_raise_clear_errors(over, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        paged_decode_attention(*_valid_args(**over), **kwargs)
+
+
+def test_reference_checks_inputs_too():
+    with pytest.raises(ValueError, match=r"lengths int32\[3\]"):
+        paged_decode_attention_reference(*_valid_args(lengths=((3,), jnp.int32)))
+
+
+def test_shapes_outside_the_kernel_run_the_reference_under_auto():
+    """Tiny test models (head_dim 16, page size 4, group 32) still get attention under auto."""
+    args = make_case(5, batch=2, q_heads=32, kv_heads=1, head_dim=16, page_size=4, max_pages=3,
+                     lengths=[5, 12], dtype=jnp.float32)
+    auto = paged_decode_attention(*args, score="group_sum")
+    ref = paged_decode_attention_reference(*args, score="group_sum")
+    for a, b in zip(auto, ref):
+        np.testing.assert_array_equal(a, b)
+
+
+def _lowering_families():
+    """Every (head_dim, page_size) pair, cycling dtypes, group sizes and scores."""
+    dtypes = [jnp.bfloat16, jnp.float16, jnp.float32]
+    groups = [1, 4, 8, 16, 3]
+    fams = []
+    for i, (d, p) in enumerate((d, p) for d in (64, 128, 256) for p in (8, 16, 32, 64, 128)):
+        fams.append((d, p, dtypes[i % 3], groups[(i + i // 5) % 5], SCORES[i % 5], False))
+    fams += [(128, 16, jnp.bfloat16, 4, s, True) for s in SCORES]
+    return fams
+
+
+@pytest.mark.parametrize("head_dim,page_size,dtype,group,score,masked", _lowering_families())
+def test_lowers_for_cuda(head_dim, page_size, dtype, group, score, masked):
+    kv_heads, batch, max_pages = 2, 3, 5
+    S = jax.ShapeDtypeStruct
+    args = (S((batch, group * kv_heads, head_dim), dtype),
+            S((batch * max_pages, kv_heads, page_size, head_dim), dtype),
+            S((batch * max_pages, kv_heads, page_size, head_dim), dtype),
+            S((batch, max_pages), jnp.int32), S((batch,), jnp.int32), S((kv_heads,), jnp.bool_))
+    hlo = lower_for_cuda(lambda *a: paged_decode_attention(
+        *a[:5], score=score, kv_heads=a[5] if masked else None, backend="pallas",
+        interpret=False), *args)
+    assert "triton" in hlo
+
+
+def test_lowers_for_cuda_with_a_cache_over_4gib():
+    """The benchmark's 128k shape: offsets past 2**31 elements need 64-bit indexing."""
+    S = jax.ShapeDtypeStruct
+    batch, max_pages = 64, 8192
+    cache = S((batch * max_pages, 8, 16, 128), jnp.bfloat16)
+    args = (S((batch, 32, 128), jnp.bfloat16), cache, cache, S((batch, max_pages), jnp.int32),
+            S((batch,), jnp.int32))
+    hlo = lower_for_cuda(lambda *a: paged_decode_attention(
+        *a, score="max_heads", backend="pallas", interpret=False), *args)
+    assert "triton" in hlo
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,group", [(jnp.bfloat16, 128, 4),
+                                                  (jnp.float16, 256, 8),
+                                                  (jnp.float32, 64, 16)])
+def test_native_gpu_moderate_size(dtype, head_dim, group):
+    batch, kv_heads, page_size, max_pages = 8, 4, 16, 256
+    rng = np.random.default_rng(0)
+    lengths = [1, 15, 16, 17, 1000, 2049, max_pages * page_size - 1, max_pages * page_size]
+    num_pages = batch * max_pages + 16
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, group * kv_heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (num_pages, kv_heads, page_size, head_dim), dtype)
+    v = jax.random.normal(keys[2], (num_pages, kv_heads, page_size, head_dim), dtype)
+    page_table = jnp.asarray(rng.permutation(num_pages)[:batch * max_pages]
+                             .reshape(batch, max_pages), jnp.int32)
+    args = (q, k, v, page_table, jnp.asarray(lengths, jnp.int32))
+    for score in SCORES:
+        assert_matches_reference(args, score=score, dtype=dtype, interpret=False)
+    auto = paged_decode_attention(*args, score="max_heads")
+    pallas = paged_decode_attention(*args, score="max_heads", backend="pallas", interpret=False)
+    for a, b in zip(auto, pallas):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,384 @@
+"""Sparse gather decode attention: Pallas kernel (interpret mode on CPU) vs reference vs numpy."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_checks import lower_for_cuda, max_row_rel_error
+from sparsejax.pallas_kernels.sparse_attention import (
+    SparseAttention,
+    sparse_decode_attention,
+    sparse_decode_attention_reference,
+)
+
+OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 1e-2, jnp.float32: 1e-5}
+LSE_TOL = 1e-4
+SMALL_TUNING = dict(block_n=16, split_tokens=32)  # several splits and several steps per split
+
+
+def make_case(seed, *, batch=2, q_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=6,
+              lengths=None, groups="kv", k_max=10, unit="token", head_map="random",
+              dense="none", prior=False, dtype=jnp.float32, budget=None):
+    """Random paged cache with a shuffled page table and random sorted selections.
+
+    groups: "shared" (G=1), "kv" (G=HK), "q" (G=HQ); unit: "token", "page" or "block" (2 pages);
+    head_map (G=HK): "random" (many-to-one) or "none" (identity); dense: "none"
+    (dense_heads=None), "zero", "some" (random), "all".
+    """
+    rng = np.random.default_rng(seed)
+    span = max_pages * page_size
+    num_pages = batch * max_pages + 5
+    unit = {"token": 1, "page": page_size, "block": 2 * page_size}[unit]
+    g = {"shared": 1, "kv": kv_heads, "q": q_heads}[groups]
+    if lengths is None:
+        lengths = rng.integers(1, span + 1, batch)
+    units_in_cache = -(-span // unit)
+    indices = rng.integers(-5, 10 * units_in_cache, (batch, g, k_max))  # garbage past count
+    count = np.zeros((batch, g), np.int32)
+    for b in range(batch):
+        for j in range(g):
+            # Candidates reach past the length and past the cache: those must be skipped.
+            n = rng.integers(0, k_max + 1) if budget is None else budget
+            chosen = np.sort(rng.choice(units_in_cache + 2, min(n, units_in_cache + 2), False))
+            indices[b, j, :len(chosen)] = chosen
+            count[b, j] = len(chosen)
+            if count[b, j] < k_max and rng.random() < 0.5:  # far past the cache: no overflow
+                indices[b, j, count[b, j]] = (2**31 - 1) // unit
+                count[b, j] += 1
+    case = dict(
+        q=rng.standard_normal((batch, q_heads, head_dim)),
+        k_pages=rng.standard_normal((num_pages, kv_heads, page_size, head_dim)),
+        v_pages=rng.standard_normal((num_pages, kv_heads, page_size, head_dim)),
+        page_table=rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages),
+        lengths=np.asarray(lengths), indices=indices, count=count)
+    case = {k: jnp.asarray(v, dtype if v.dtype == np.float64 else jnp.int32)
+            for k, v in case.items()}
+    opts = dict(unit=unit)
+    if groups == "kv" and head_map == "random":
+        opts["head_map"] = jnp.asarray(rng.integers(0, kv_heads, kv_heads), jnp.int32)
+    if dense != "none":
+        mask = {"zero": np.zeros(kv_heads, bool), "all": np.ones(kv_heads, bool),
+                "some": rng.random(kv_heads) < 0.5}[dense]
+        opts["dense_heads"] = jnp.asarray(mask)
+    if prior:
+        opts["prior_query"] = jnp.asarray(rng.standard_normal((batch, q_heads, head_dim)), dtype)
+        if rng.random() < 0.7:  # else the default, lengths
+            opts["prior_length"] = jnp.asarray(rng.integers(0, span + 1, batch), jnp.int32)
+    return case, opts
+
+
+def numpy_oracle(case, opts):
+    """Float64 loops over (row, head): the attended positions listed one by one."""
+    c = {k: np.asarray(v, np.float64 if jnp.issubdtype(v.dtype, jnp.floating) else np.int64)
+         for k, v in case.items()}
+    q, kp, vp = c["q"], c["k_pages"], c["v_pages"]
+    batch, q_heads, head_dim = q.shape
+    kv_heads, page_size = kp.shape[1], kp.shape[2]
+    group, unit, groups = q_heads // kv_heads, opts["unit"], c["indices"].shape[1]
+    head_map = np.asarray(opts.get("head_map", np.arange(kv_heads)))
+    dense = np.asarray(opts.get("dense_heads", np.zeros(kv_heads, bool)))
+    prior_q = opts.get("prior_query")
+    prior_len = np.asarray(opts.get("prior_length", c["lengths"]))
+    scale = opts.get("sm_scale", 1 / np.sqrt(head_dim))
+
+    def attend(query, positions, b, h):
+        if not positions:
+            return np.zeros(head_dim), -np.inf
+        pages = c["page_table"][b, np.asarray(positions) // page_size]
+        offs = np.asarray(positions) % page_size
+        s = kp[pages, h, offs] @ query * scale
+        w = np.exp(s - s.max())
+        return w @ vp[pages, h, offs] / w.sum(), s.max() + np.log(w.sum())
+
+    out, lse = np.zeros_like(q), np.zeros(q.shape[:2])
+    p_out, p_lse = np.zeros_like(q), np.zeros(q.shape[:2])
+    for b in range(batch):
+        length = c["lengths"][b]
+        for i in range(q_heads):
+            h = i // group
+            g = 0 if groups == 1 else (i if groups == q_heads != kv_heads else head_map[h])
+            if dense[h]:
+                positions = list(range(length))
+            else:
+                positions = [p for e in range(c["count"][b, g])
+                             for p in range(c["indices"][b, g, e] * unit,
+                                            (c["indices"][b, g, e] + 1) * unit)
+                             if 0 <= p < length]
+            out[b, i], lse[b, i] = attend(q[b, i], positions, b, h)
+            if prior_q is not None:
+                mu = np.asarray(prior_q[b, i].astype(case["q"].dtype), np.float64)
+                p_out[b, i], p_lse[b, i] = attend(
+                    mu, [p for p in positions if p < prior_len[b]], b, h)
+    prior = (p_lse, p_out) if prior_q is not None else None
+    return SparseAttention(out, lse, prior)
+
+
+def dense_softmax(case):
+    """Plain dense attention over [0, length) from a contiguous copy of each row's cache."""
+    q, kp, vp, pt = (np.asarray(case[k], np.float64) for k in ("q", "k_pages", "v_pages",
+                                                               "page_table"))
+    pt = pt.astype(int)
+    batch, q_heads, head_dim = q.shape
+    kv_heads, page_size = kp.shape[1], kp.shape[2]
+    k = kp[pt].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_dim)
+    v = vp[pt].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_dim)
+    k, v = (np.repeat(x, q_heads // kv_heads, axis=1) for x in (k, v))
+    s = np.einsum("bhd,bhtd->bht", q, k) / np.sqrt(head_dim)
+    s = np.where(np.arange(k.shape[2]) < np.asarray(case["lengths"])[:, None, None], s, -np.inf)
+    lse = np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1)) + s.max(-1)
+    return np.einsum("bht,bhtd->bhd", np.exp(s - lse[..., None]), v), lse
+
+
+def assert_close(got, want, dtype, prior=False):
+    tol = OUT_TOL[dtype]
+    assert max_row_rel_error(got.out, want.out) <= tol
+    np.testing.assert_allclose(np.asarray(got.lse), np.asarray(want.lse), atol=LSE_TOL, rtol=0)
+    if prior:
+        got_lse, got_out = got.prior
+        want_lse, want_out = want.prior
+        assert max_row_rel_error(got_out, want_out) <= tol
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), atol=LSE_TOL,
+                                   rtol=0)
+
+
+def run(case, opts, backend, interpret=None, **tuning):
+    return sparse_decode_attention(**case, **opts, backend=backend, interpret=interpret,
+                                   **tuning)
+
+
+@pytest.mark.parametrize("groups,unit,dense,prior", [
+    ("kv", "token", "none", False), ("shared", "page", "some", True),
+    ("q", "block", "zero", True), ("kv", "block", "all", False), ("q", "token", "some", False),
+])
+def test_reference_matches_numpy(groups, unit, dense, prior):
+    case, opts = make_case(1, groups=groups, unit=unit, dense=dense, prior=prior)
+    opts["sm_scale"] = 0.3
+    got = sparse_decode_attention_reference(**case, **opts)
+    assert_close(got, numpy_oracle(case, opts), jnp.float32, prior)
+
+
+CONFIGS = st.fixed_dictionaries(dict(
+    groups=st.sampled_from(["shared", "kv", "q"]),
+    unit=st.sampled_from(["token", "page", "block"]),
+    dense=st.sampled_from(["none", "zero", "some", "all"]),
+    prior=st.booleans(),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    heads=st.sampled_from([(8, 2), (4, 4), (16, 1)]),
+    head_map=st.sampled_from(["random", "none"]),
+))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=CONFIGS, seed=st.integers(0, 2**16),
+       edge=st.sampled_from([1, 7, 8, 9, 47, 48]))
+def test_kernel_matches_reference(interpret, cfg, seed, edge):
+    q_heads, kv_heads = cfg.pop("heads")
+    # One row at a page-boundary length (P = 8), the other random.
+    case, opts = make_case(seed, q_heads=q_heads, kv_heads=kv_heads,
+                           lengths=[edge, 1 + seed % 48], **cfg)
+    got = run(case, opts, "pallas", interpret, **SMALL_TUNING)
+    want = sparse_decode_attention_reference(**case, **opts)
+    assert_close(got, want, cfg["dtype"], cfg["prior"])
+
+
+@pytest.mark.parametrize("method,groups,unit,head_map,dense", [
+    ("kascade", "kv", "token", "random", "none"), ("delta", "shared", "page", "none", "none"),
+    ("lychee", "kv", "block", "none", "some"), ("quest", "q", "page", "none", "none"),
+])
+def test_method_layouts(interpret, method, groups, unit, head_map, dense):
+    """The selection layouts of the methods, GQA group 4, bf16, with the RESA prior."""
+    case, opts = make_case(20, groups=groups, unit=unit, head_map=head_map, dense=dense,
+                           prior=True, dtype=jnp.bfloat16, lengths=[8, 47])
+    want = sparse_decode_attention_reference(**case, **opts)
+    assert_close(run(case, opts, "pallas", interpret, **SMALL_TUNING), want, jnp.bfloat16,
+                 prior=True)
+    assert_close(want, numpy_oracle(case, opts), jnp.bfloat16, prior=True)
+
+
+@pytest.mark.parametrize("unit", ["token", "page", "block"])
+def test_full_selection_is_dense_attention(interpret, unit):
+    case, opts = make_case(2, unit=unit, lengths=[1, 41], budget=100, k_max=100,
+                           groups="shared")
+    assert int(case["count"].min()) * opts["unit"] >= 48  # every position of the cache
+    want_out, want_lse = dense_softmax(case)
+    for backend in ("pallas", "reference"):
+        got = run(case, opts, backend, interpret, **SMALL_TUNING)
+        assert max_row_rel_error(got.out, want_out) <= 1e-5
+        np.testing.assert_allclose(np.asarray(got.lse), want_lse, atol=LSE_TOL, rtol=0)
+
+
+def test_dense_heads_are_dense_attention(interpret):
+    case, opts = make_case(3, dense="all", lengths=[7, 16], prior=True)
+    want_out, want_lse = dense_softmax(case)
+    got = run(case, opts, "pallas", interpret, **SMALL_TUNING)
+    assert max_row_rel_error(got.out, want_out) <= 1e-5
+    np.testing.assert_allclose(np.asarray(got.lse), want_lse, atol=LSE_TOL, rtol=0)
+    assert_close(got, numpy_oracle(case, opts), jnp.float32, prior=True)
+
+
+def test_default_tuning_and_auto_backend(interpret):
+    case, opts = make_case(4, dtype=jnp.bfloat16, unit="page", prior=True, dense="some")
+    opts["sm_scale"] = 0.2
+    want = sparse_decode_attention_reference(**case, **opts)
+    assert_close(run(case, opts, "pallas", interpret), want, jnp.bfloat16, prior=True)
+    if jax.default_backend() == "cpu":
+        got = run(case, opts, "auto")
+        np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
+
+
+def test_empty_selection(interpret):
+    case, opts = make_case(5, prior=True, groups="q")
+    case["count"] = jnp.zeros_like(case["count"])
+    for backend in ("pallas", "reference"):
+        got = run(case, opts, backend, interpret, **SMALL_TUNING)
+        assert np.all(np.asarray(got.out) == 0) and np.all(np.asarray(got.lse) == -np.inf)
+        assert np.all(np.asarray(got.prior[1]) == 0)
+        assert np.all(np.asarray(got.prior[0]) == -np.inf)
+
+
+@pytest.mark.parametrize("corrupt", ["swap_kv", "wrong_head_map"])
+def test_negative_control_fails_metric(interpret, corrupt):
+    case, opts = make_case(6, budget=6, lengths=[48, 40])
+    opts["head_map"] = jnp.asarray([0, 1], jnp.int32)
+    want = numpy_oracle(case, opts)
+    if corrupt == "swap_kv":
+        case["k_pages"], case["v_pages"] = case["v_pages"], case["k_pages"]
+    else:
+        opts["head_map"] = jnp.asarray([1, 0], jnp.int32)
+    got = run(case, opts, "pallas", interpret, **SMALL_TUNING)
+    assert max_row_rel_error(got.out, want.out) > 0.1
+
+
+@pytest.mark.parametrize("backend", ["pallas", "reference"])
+def test_inside_scan_over_layers(interpret, backend):
+    """Multi-layer cache viewed as [layers*num_pages, ...], page table offset per layer."""
+    layers = 3
+    cases = [make_case(10 + i, groups="kv", unit="page", dense="some", lengths=[17, 48])
+             for i in range(layers)]
+    num_pages = cases[0][0]["k_pages"].shape[0]
+    k_all = jnp.concatenate([c["k_pages"] for c, _ in cases])
+    v_all = jnp.concatenate([c["v_pages"] for c, _ in cases])
+    stacked = {k: jnp.stack([c[k] for c, _ in cases]) for k in ("q", "page_table", "indices",
+                                                                "count")}
+    head_maps = jnp.stack([o["head_map"] for _, o in cases])
+    dense = jnp.stack([o["dense_heads"] for _, o in cases])
+    lengths = cases[0][0]["lengths"]
+
+    @jax.jit
+    def all_layers(k_all, v_all, stacked, head_maps, dense):
+        def layer(_, xs):
+            i, s, hm, dh = xs
+            res = sparse_decode_attention(
+                s["q"], k_all, v_all, s["page_table"] + i * num_pages, lengths, s["indices"],
+                s["count"], unit=8, head_map=hm, dense_heads=dh, backend=backend,
+                interpret=interpret, **SMALL_TUNING)
+            return None, (res.out, res.lse)
+        return jax.lax.scan(layer, None, (jnp.arange(layers), stacked, head_maps, dense))[1]
+
+    outs, lses = all_layers(k_all, v_all, stacked, head_maps, dense)
+    for i, (case, opts) in enumerate(cases):
+        case = dict(case, lengths=lengths)
+        want = sparse_decode_attention_reference(**case, **opts)
+        assert max_row_rel_error(outs[i], want.out) <= 1e-5
+        np.testing.assert_allclose(np.asarray(lses[i]), np.asarray(want.lse), atol=LSE_TOL)
+
+
+BF16_32x8 = dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("groups,unit,dense,prior,shape", [
+    ("kv", "token", "none", False, BF16_32x8), ("kv", "page", "some", True, BF16_32x8),
+    ("kv", "block", "none", True, BF16_32x8), ("shared", "token", "some", False, BF16_32x8),
+    ("shared", "page", "none", False, BF16_32x8), ("shared", "block", "some", True, BF16_32x8),
+    ("q", "token", "none", True, BF16_32x8), ("q", "page", "some", False, BF16_32x8),
+    ("q", "block", "some", True, BF16_32x8),
+    ("kv", "token", "some", True, dict(q_heads=64, kv_heads=4, head_dim=64, page_size=8,
+                                       dtype=jnp.float16)),  # group 16: 32 padded rows
+    ("shared", "block", "some", True, dict(q_heads=16, kv_heads=16, head_dim=256,
+                                           page_size=128, max_pages=4, dtype=jnp.float32)),
+])
+def test_lowers_for_cuda(groups, unit, dense, prior, shape):
+    case, opts = make_case(7, batch=4, groups=groups, unit=unit, dense=dense, prior=prior,
+                           k_max=64, **{"max_pages": 32, **shape})
+    names = list(case) + list(opts)[1:]
+    fn = lambda *args: sparse_decode_attention(  # noqa: E731
+        **dict(zip(names, args)), unit=opts["unit"], backend="pallas", interpret=False)
+    text = lower_for_cuda(fn, *case.values(), *list(opts.values())[1:])
+    assert "triton" in text
+
+
+def _bad(name, fn):
+    """The error must start with the argument's name: `name=value: expected ...`."""
+    return pytest.param(fn, "^" + name.replace(".", "\\.").replace("[", "\\[") + "=", id=name)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    _bad("q.shape", lambda c, o: c.update(q=c["q"][0])),
+    _bad("q.dtype", lambda c, o: c.update(q=c["q"].astype(jnp.int32))),
+    _bad("k_pages.dtype", lambda c, o: c.update(k_pages=c["k_pages"].astype(jnp.bfloat16))),
+    _bad("v_pages", lambda c, o: c.update(v_pages=c["v_pages"][:, :1])),
+    _bad("head_dim", lambda c, o: c.update(q=c["q"][..., :32], k_pages=c["k_pages"][..., :32],
+                                           v_pages=c["v_pages"][..., :32])),
+    _bad("page_size", lambda c, o: c.update(k_pages=c["k_pages"][:, :, :6],
+                                            v_pages=c["v_pages"][:, :, :6])),
+    _bad("q_heads", lambda c, o: c.update(q=c["q"][:, :3])),
+    _bad("page_table", lambda c, o: c.update(page_table=c["page_table"].astype(jnp.float32))),
+    _bad("lengths", lambda c, o: c.update(lengths=c["lengths"][:1])),
+    _bad("indices.shape[1]", lambda c, o: c.update(indices=c["indices"][:, :1].repeat(3, 1),
+                                                      count=c["count"][:, :1].repeat(3, 1))),
+    _bad("count", lambda c, o: c.update(count=c["count"][:, :1])),
+    _bad("unit", lambda c, o: o.update(unit=12)),
+    _bad("head_map", lambda c, o: o.update(head_map=jnp.zeros((3,), jnp.int32))),
+    _bad("dense_heads", lambda c, o: o.update(dense_heads=jnp.zeros((2,), jnp.int32))),
+    _bad("prior_query", lambda c, o: o.update(prior_query=c["q"][:, :4])),
+    _bad("prior_length", lambda c, o: o.update(prior_length=c["lengths"])),
+    _bad("tuning", lambda c, o: o.update(blockn=32)),
+    _bad("block_n", lambda c, o: o.update(block_n=24)),
+    _bad("split_tokens", lambda c, o: o.update(split_tokens=40, block_n=16)),
+    _bad("backend", lambda c, o: o.update(backend="cuda")),
+])
+def test_bad_inputs(mutate, match):
+    case, opts = make_case(8)
+    opts.setdefault("backend", "pallas")
+    mutate(case, opts)
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_attention(**case, **opts)
+
+
+def test_head_map_needs_per_kv_head_groups():
+    case, opts = make_case(9, groups="q")
+    with pytest.raises(ValueError, match="head_map"):
+        sparse_decode_attention(**case, **opts, head_map=jnp.zeros((2,), jnp.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,unit,dense,prior,dtype", [
+    ("kv", "token", "none", False, jnp.bfloat16), ("kv", "token", "some", True, jnp.bfloat16),
+    ("shared", "page", "none", True, jnp.bfloat16), ("q", "token", "some", False, jnp.float16),
+    ("kv", "block", "some", True, jnp.bfloat16), ("kv", "page", "all", False, jnp.float32),
+])
+def test_native_gpu(groups, unit, dense, prior, dtype):
+    span = 256 * 16
+    case, opts = make_case(11, batch=8, q_heads=32, kv_heads=8, head_dim=128, page_size=16,
+                           max_pages=256, groups=groups, unit=unit,
+                           dense=dense, prior=prior, dtype=dtype, k_max=512,
+                           lengths=[1, 15, 16, 17, span - 1, span, 1000, 3000])
+    want = sparse_decode_attention_reference(**case, **opts)
+    assert_close(run(case, opts, "pallas", interpret=False), want, dtype, prior)
+    assert_close(run(case, opts, "pallas", interpret=False, block_n=32, split_tokens=128,
+                     num_warps=8, num_stages=3), want, dtype, prior)
+
+
+def test_reference_takes_any_head_dim_and_page_size():
+    """Only the Pallas kernel is limited to D in {64, 128, 256} and P in {8..128}: the
+    reference (and backend="auto" off GPU, or on GPU for other shapes) takes any."""
+    case, opts = make_case(12, head_dim=64, page_size=8)
+    small = dict(case, q=case["q"][..., :16], k_pages=case["k_pages"][:, :, :4, :16],
+                 v_pages=case["v_pages"][:, :, :4, :16])
+    opts = dict(opts, unit=1)
+    got = sparse_decode_attention(**small, **opts, backend="auto")
+    want = sparse_decode_attention_reference(**small, **opts)
+    np.testing.assert_allclose(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))

@@ -1,0 +1,338 @@
+"""topk_select (Pallas, interpret mode on CPU) vs its lax.top_k reference vs plain numpy."""
+import fractions
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kernel_checks import lower_for_cuda
+from sparsejax.pallas_kernels import topk
+
+SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Independent numpy twins
+
+
+def numpy_topk(scores, k, valid, k_row=None, force_first=0, force_last=0):
+    """Sort each row on (-score, index): np.lexsort puts NaN last and treats -0.0 == +0.0."""
+    num_rows, n = scores.shape
+    k_row = np.full(num_rows, k) if k_row is None else np.asarray(k_row)
+    indices = np.full((num_rows, k), -1, np.int32)
+    count = np.zeros(num_rows, np.int32)
+    for r in range(num_rows):
+        v = int(np.clip(valid[r], 0, n))
+        forced = sorted(set(range(min(force_first, v))) | set(range(max(v - force_last, 0), v)))
+        c = min(v, max(int(np.clip(k_row[r], 0, k)), len(forced)))
+        rest = np.array([j for j in range(v) if j not in forced], np.int64)
+        order = rest[np.lexsort((rest, -scores[r, rest]))] if len(rest) else rest
+        chosen = sorted(forced + order[: c - len(forced)].tolist())
+        indices[r, :c] = chosen
+        count[r] = c
+    return indices, count
+
+
+def numpy_probabilities(scores, valid, logits):
+    rows = []
+    for r, v in enumerate(valid):
+        x = scores[r, :v].astype(np.float64)
+        w = np.exp(x - x.max(initial=0 if v == 0 else None)) if logits else x
+        rows.append(w / w.sum() if v else w)
+    return rows
+
+
+def numpy_top_p(scores, p, valid, logits=True):
+    out = []
+    for prob in numpy_probabilities(scores, valid, logits):
+        mass = np.cumsum(np.sort(prob)[::-1])
+        out.append(min(int(np.searchsorted(mass, p)) + 1, len(prob)))
+    return np.array(out)
+
+
+def numpy_threshold(scores, threshold, valid, logits=True):
+    return np.array([min(max(int(np.sum(prob >= threshold)), 1), len(prob))
+                     for prob in numpy_probabilities(scores, valid, logits)])
+
+
+def assert_selected(out, expected):
+    np.testing.assert_array_equal(np.asarray(out.indices), expected[0])
+    np.testing.assert_array_equal(np.asarray(out.count), expected[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+VALUE_SETS = {
+    "normal": None,
+    "ties": np.array([-1.0, 0.0, -0.0, 0.5, 2.0], np.float32),
+    "specials": np.array([-np.inf, np.nan, 0.0, 1.0, np.inf, -1e30], np.float32),
+}
+
+
+def make_scores(seed, num_rows, n, kind):
+    rng = np.random.default_rng(seed)
+    if VALUE_SETS[kind] is None:
+        return rng.standard_normal((num_rows, n)).astype(np.float32)
+    return rng.choice(VALUE_SETS[kind], size=(num_rows, n))
+
+
+# Kernel layouts: a resident row (block_n >= N), a streamed row (several column tiles), and
+# two rows per program with a ragged last program.
+LAYOUTS = [dict(), dict(block_n=16, block_sel=8, block_k=4),
+           dict(block_rows=2, block_n=32, block_sel=16)]
+
+
+@st.composite
+def problems(draw):
+    num_rows = draw(st.sampled_from([1, 3]))
+    n = draw(st.sampled_from([1, 7, 40]))
+    k = draw(st.sampled_from([1, 5, 16, 48]))
+    force_first = draw(st.integers(0, min(3, k)))
+    force_last = draw(st.integers(0, min(4, k - force_first)))
+    valid = draw(st.lists(st.integers(0, n), min_size=num_rows, max_size=num_rows))
+    k_row = draw(st.one_of(st.none(), st.lists(st.integers(0, k), min_size=num_rows,
+                                               max_size=num_rows)))
+    kind = draw(st.sampled_from(sorted(VALUE_SETS)))
+    scores = make_scores(draw(st.integers(0, 2**16)), num_rows, n, kind)
+    layout = draw(st.sampled_from(LAYOUTS))
+    return scores, k, np.array(valid, np.int32), k_row, force_first, force_last, [layout]
+
+
+def run_all(scores, k, valid, k_row, force_first, force_last, layouts, interpret):
+    expected = numpy_topk(scores, k, valid, k_row, force_first, force_last)
+    kw = dict(valid=valid, k_row=None if k_row is None else np.asarray(k_row, np.int32),
+              force_first=force_first, force_last=force_last)
+    assert_selected(topk.topk_select_reference(jnp.asarray(scores), k, **kw), expected)
+    for layout in layouts:
+        out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret,
+                               **kw, **layout)
+        assert_selected(out, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# topk_select
+
+
+@SETTINGS
+@given(problems())
+def test_random_problems(interpret, problem):
+    run_all(*problem, interpret=interpret)
+
+
+@pytest.mark.parametrize("case", [
+    "all_ties", "neg_inf_padding", "valid_le_k", "valid_zero", "forced_overlap",
+    "forced_whole_row", "k_row_zero_and_large", "k_above_n"])
+def test_edge_cases(interpret, case):
+    rng = np.random.default_rng(1)
+    n, k, valid, k_row, ff, fl = 24, 8, np.array([24, 24, 24], np.int32), None, 0, 0
+    scores = rng.standard_normal((3, n)).astype(np.float32)
+    if case == "all_ties":
+        scores = np.full((3, n), 0.25, np.float32)
+        scores[1, ::3] = 1.0          # 8 winners tied with each other: the first 8 by index
+        scores[2, ::2] = 1.0          # 12 tied winners, only 8 fit
+        ff, fl = 1, 1
+    elif case == "neg_inf_padding":
+        scores[:, 10:] = -np.inf      # fewer finite scores than k: -inf columns fill by index
+        scores[1, :] = -np.inf
+        valid = np.array([24, 24, 5], np.int32)
+    elif case == "valid_le_k":
+        valid = np.array([8, 3, 1], np.int32)
+    elif case == "valid_zero":
+        valid = np.array([0, 24, 0], np.int32)
+        ff, fl = 2, 2
+    elif case == "forced_overlap":
+        valid, ff, fl = np.array([5, 6, 24], np.int32), 3, 4   # windows overlap in short rows
+        k_row = np.array([1, 2, 3], np.int32)                  # forced count exceeds k_row
+    elif case == "forced_whole_row":
+        valid, ff, fl = np.array([4, 8, 7], np.int32), 4, 4
+    elif case == "k_row_zero_and_large":
+        k_row, valid = np.array([0, 8, 8], np.int32), np.array([24, 3, 0], np.int32)
+    elif case == "k_above_n":
+        n, k = 6, 10
+        scores, valid = scores[:, :n], np.array([6, 2, 0], np.int32)
+    run_all(scores, k, valid, k_row, ff, fl, LAYOUTS[:2], interpret=interpret)
+
+
+def test_cases_discriminate():
+    """Negative control: a plain lax.top_k on the scores gets the tie and forced cases wrong."""
+    scores = np.array([[0.0, 1.0, 1.0, 1.0, 5.0, -1.0]], np.float32)
+    expected = numpy_topk(scores, 3, np.array([6]), force_last=1)
+    naive = np.sort(np.asarray(jax.lax.top_k(jnp.asarray(scores), 3)[1]), axis=1)
+    assert not np.array_equal(naive, expected[0])
+    np.testing.assert_array_equal(expected[0], [[1, 4, 5]])
+
+
+def test_matches_at_a_larger_row(interpret):
+    """A 1024-wide row through the default layout and a streamed one, with sinks and recents."""
+    scores = make_scores(7, 2, 1024, "normal")
+    scores[1] = np.round(scores[1], 1)  # many ties
+    valid, k_row = np.array([1024, 700], np.int32), np.array([100, 3], np.int32)
+    run_all(scores, 128, valid, k_row, 4, 16, [dict(), dict(block_n=256, block_sel=128)],
+            interpret=interpret)
+
+
+def test_auto_backend_and_jit(interpret):
+    scores = make_scores(3, 4, 64, "normal")
+    valid = np.array([64, 10, 0, 33], np.int32)
+    expected = numpy_topk(scores, 8, valid)
+    assert_selected(topk.topk_select(jnp.asarray(scores), 8, valid=valid), expected)
+    jitted = jax.jit(lambda s, v: topk.topk_select(s, 8, valid=v, backend="pallas",
+                                                   interpret=interpret))
+    assert_selected(jitted(jnp.asarray(scores), jnp.asarray(valid)), expected)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda s, v: topk.topk_select(s[0], 4, valid=v), "scores: shape=.*expected a \\[R, N\\]"),
+    (lambda s, v: topk.topk_select(s.astype(jnp.bfloat16), 4, valid=v), "float32"),
+    (lambda s, v: topk.topk_select(s, 0, valid=v), "k=0: expected a static int >= 1"),
+    (lambda s, v: topk.topk_select(s, 4.0, valid=v), "k=4.0"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v[:1]), "valid: shape=\\(1,\\).*expected \\[2\\]"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v.astype(jnp.float32)), "valid: .*float32"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, k_row=v[None]), "k_row: shape=\\(1, 2\\)"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, force_first=-1), "force_first=-1"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, force_first=2, force_last=3),
+     "force_first \\+ force_last = 2 \\+ 3 > k=4"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="cuda"), "backend='cuda'"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="reference", block_m=4),
+     "unknown tuning knob\\(s\\) \\['block_m'\\]"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="pallas", block_n=48),
+     "block_n=48: expected a power of 2"),
+    (lambda s, v: topk.ratio_budget(1.5, v), "ratio=1.5: expected a static number in \\[0, 1\\]"),
+    (lambda s, v: topk.ratio_budget(0.1, v, minimum=-1), "minimum=-1"),
+    (lambda s, v: topk.ratio_budget(0.1, v, minimum=8, maximum=4), "maximum=4"),
+    (lambda s, v: topk.top_p_budget(s, 0.0, v), "p=0.0: expected a static number in \\(0, 1\\]"),
+    (lambda s, v: topk.threshold_budget(s, 2.0, v), "threshold=2.0"),
+    (lambda s, v: topk.top_p_budget(s, 0.5, v[:1]), "valid: shape=\\(1,\\)"),
+    (lambda s, v: topk.fixed_budget(-1, v), "k=-1: expected >= 0"),
+])
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(jnp.zeros((2, 8), jnp.float32), jnp.array([8, 8], jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# Budgets
+
+
+def test_fixed_and_ratio_budgets():
+    valid = np.array([0, 1, 9, 10, 30, 1279, 1280, 1281, 131072, 2**31 - 1], np.int32)
+    np.testing.assert_array_equal(topk.fixed_budget(64, valid), np.minimum(64, valid))
+    for ratio, minimum, maximum in [(0.1, 128, None), (0.3, 0, None), (1 - 0.9, 0, 4096),
+                                    (0.05, 3, None), (1.0, 0, None), (0.0, 2, None)]:
+        frac = fractions.Fraction(ratio).limit_denominator(1 << 15)
+        expected = [min(max(int(frac * v), minimum), v, maximum or v) for v in valid.tolist()]
+        got = topk.ratio_budget(ratio, valid, minimum, maximum)
+        np.testing.assert_array_equal(got, expected, err_msg=f"{ratio=}")
+    # Kascade: k = min(max(0.1 * len, 128), len), floored like the reference code's int().
+    np.testing.assert_array_equal(topk.ratio_budget(0.1, np.array([100, 2000, 12345]), 128),
+                                  [100, 200, 1234])
+
+
+def boundary_free_p(prob_rows, p):
+    """Nudge p so that it is not within float32 rounding of any prefix mass."""
+    for _ in range(100):
+        if all(np.min(np.abs(np.cumsum(np.sort(r)[::-1]) - p)) > 1e-4 for r in prob_rows if len(r)):
+            return p
+        p = p * 0.97
+    raise AssertionError("no boundary-free p")
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), p=st.floats(0.05, 1.0), logits=st.booleans(),
+       kind=st.sampled_from(["normal", "ties"]))
+def test_top_p_budget(seed, p, logits, kind):
+    scores = make_scores(seed, 4, 50, kind) * 3
+    if not logits:
+        scores = np.abs(scores)
+        scores[:, 0] = 1.0                         # every non-empty row has some mass
+    valid = np.array([50, 17, 1, 0], np.int32)
+    p = boundary_free_p(numpy_probabilities(scores, valid, logits), p)
+    got = topk.top_p_budget(jnp.asarray(scores), p, valid, logits=logits)
+    np.testing.assert_array_equal(got, numpy_top_p(scores, p, valid, logits))
+
+
+def test_top_p_budget_ties_and_full_mass():
+    scores = np.zeros((2, 8), np.float32)           # uniform rows: 1/8 (exact) per column
+    valid = np.array([8, 8], np.int32)
+    np.testing.assert_array_equal(topk.top_p_budget(jnp.asarray(scores), 0.5, valid), [4, 4])
+    np.testing.assert_array_equal(topk.top_p_budget(jnp.asarray(scores), 0.3, valid), [3, 3])
+    np.testing.assert_array_equal(topk.top_p_budget(jnp.asarray(scores), 1.0, valid), [8, 8])
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), threshold=st.floats(1e-4, 0.5), logits=st.booleans())
+def test_threshold_budget(seed, threshold, logits):
+    scores = make_scores(seed, 4, 50, "normal") * 3
+    if not logits:
+        scores = np.abs(scores)
+    valid = np.array([50, 17, 1, 0], np.int32)
+    probs = np.concatenate(numpy_probabilities(scores, valid, logits))
+    while np.min(np.abs(probs - threshold) / threshold) < 1e-4:
+        threshold *= 1.01
+    got = topk.threshold_budget(jnp.asarray(scores), threshold, valid, logits=logits)
+    np.testing.assert_array_equal(got, numpy_threshold(scores, threshold, valid, logits))
+
+
+def test_budget_feeds_topk(interpret):
+    """Lychee TopP end to end: the budget's columns carry at least p of the mass."""
+    scores = make_scores(11, 3, 64, "normal") * 4
+    valid = np.array([64, 40, 9], np.int32)
+    k_row = topk.top_p_budget(jnp.asarray(scores), 0.9, valid)
+    out = topk.topk_select(jnp.asarray(scores), 64, valid=valid, k_row=k_row, backend="pallas",
+                           interpret=interpret)
+    assert_selected(out, numpy_topk(scores, 64, valid, np.asarray(k_row)))
+    for r, prob in enumerate(numpy_probabilities(scores, valid, True)):
+        mass = prob[np.asarray(out.indices[r, : int(out.count[r])])]
+        assert mass.sum() >= 0.9 - 1e-6 and mass.sum() - mass.min() < 0.9
+
+
+# --------------------------------------------------------------------------------------------
+# Lowering for CUDA and native GPU runs
+
+
+def triton_modules(monkeypatch):
+    """Collect the Triton modules a CUDA lowering builds, so that the test can verify them."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module)
+        return result
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
+    return modules
+
+
+@pytest.mark.parametrize("num_rows, n, k, tuning", [
+    (512, 32768, 3276, {}),                                  # resident row, 16 warps
+    (512, 131072, 13107, {}),                                # streamed row
+    (64, 8192, 64, dict(block_rows=2)),
+    (7, 1000, 50, dict(block_n=256, num_warps=4)),            # ragged N, streamed
+])
+def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning):
+    modules = triton_modules(monkeypatch)
+    fn = lambda s, v, kr: topk.topk_select(s, k, valid=v, k_row=kr, force_first=4,
+                                           force_last=min(64, k - 4), backend="pallas",
+                                           interpret=False, **tuning)
+    text = lower_for_cuda(fn, jnp.zeros((num_rows, n), jnp.float32),
+                          jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), jnp.int32))
+    assert "triton" in text
+    assert len(modules) == 1 and modules[0].operation.verify()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows, n, k", [(512, 32768, 3276), (512, 131072, 13107),
+                                            (512, 2048, 64), (64, 8192, 64)])
+def test_native_matches_reference(num_rows, n, k):
+    rng = np.random.default_rng(0)
+    scores = jnp.asarray(rng.standard_normal((num_rows, n)).astype(np.float32))
+    valid = jnp.asarray(rng.integers(n // 2, n + 1, num_rows).astype(np.int32))
+    k_row = jnp.asarray(rng.integers(k // 2, k + 1, num_rows).astype(np.int32))
+    for kw in (dict(), dict(force_first=4, force_last=min(64, k - 4), k_row=k_row)):
+        out = topk.topk_select(scores, k, valid=valid, backend="pallas", **kw)
+        ref = topk.topk_select_reference(scores, k, valid=valid, **kw)
+        np.testing.assert_array_equal(np.asarray(out.indices), np.asarray(ref.indices))
+        np.testing.assert_array_equal(np.asarray(out.count), np.asarray(ref.count))
