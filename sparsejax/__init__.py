@@ -1,0 +1,32 @@
+"""sparsejax: sparse long-context decoding in JAX over a paged KV cache.
+
+    model = sparsejax.from_pretrained("path/to/hf-checkpoint")
+    out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=64,
+                             method=sparsejax.methods.DELTA())
+"""
+from pathlib import Path
+
+from sparsejax import methods
+from sparsejax.cache import PagedKVCache, allocate
+from sparsejax.generate import GenerateOutput, Sampling, decode_step, generate, prefill, sample
+from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
+from sparsejax.plan import Budget, Role, Selection, Selector, SparsePlan
+
+__version__ = "0.1.0"
+
+EMBEDDED_MODEL = "retrieval-tiny"
+
+
+def embedded_model_path() -> Path:
+    """Directory of the small retrieval model shipped with the package (HF format)."""
+    from sparsejax import models as _models
+
+    return Path(_models.__file__).resolve().parent / "assets" / EMBEDDED_MODEL
+
+
+__all__ = [
+    "Budget", "GenerateOutput", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
+    "Selection", "Selector", "SparsePlan", "allocate", "decode_step", "embedded_model_path",
+    "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
+    "save_pretrained",
+]

@@ -1,0 +1,3 @@
+from sparsejax.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The paged KV cache: pure functions from cache to cache.
+
+k, v [layers, num_pages, kv_heads, page_size, head_dim] keep one (page, head) tile contiguous.
+Token t of row b lives in page `page_table[b, t // page_size]`, slot `t % page_size`;
+`token_address` is the one place that computes this.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from sparsejax.models import ModelConfig
+
+MAX_PAGE_SIZE = 256
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+    k: jax.Array            # [layers, num_pages, kv_heads, page_size, head_dim]
+    v: jax.Array            # [layers, num_pages, kv_heads, page_size, head_dim]
+    page_table: jax.Array   # [batch, max_pages] int32
+    lengths: jax.Array      # [batch] int32 tokens written per row
+    state: Any = None       # per-layer method state (RESA priors, Quest page bounds, ...)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each row can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+
+def check_page_size(page_size) -> None:
+    if (not isinstance(page_size, int) or page_size < 1 or page_size > MAX_PAGE_SIZE
+            or page_size & (page_size - 1)):
+        raise ValueError(f"page_size={page_size!r}: expected a power of two from 1 to {MAX_PAGE_SIZE}")
+
+
+def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
+             dtype=jnp.bfloat16) -> PagedKVCache:
+    """An empty cache for `batch` rows of up to `capacity` tokens each.
+
+    Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
+    equally valid — the kernels only go through `page_table`.
+    """
+    check_page_size(page_size)
+    if capacity < 1:
+        raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
+    max_pages = -(-capacity // page_size)
+    shape = (config.num_layers, batch * max_pages, config.num_kv_heads, page_size, config.head_dim)
+    page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                        page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def check_capacity(cache: PagedKVCache, num_tokens: int, what: str) -> None:
+    """Static check, before any compute, that `num_tokens` per row fit in the allocated pages."""
+    if num_tokens > cache.capacity:
+        raise ValueError(
+            f"{what} needs {num_tokens} tokens per row but the cache holds {cache.capacity} "
+            f"({cache.page_table.shape[1]} pages of {cache.page_size}); allocate more pages")
+
+
+def token_address(page_table: jax.Array, positions: jax.Array, page_size: int):
+    """Physical (page, slot) of logical `positions` [B, ...] through `page_table` [B, max_pages]."""
+    logical_page = positions // page_size
+    rows = jnp.arange(page_table.shape[0]).reshape((-1,) + (1,) * (positions.ndim - 1))
+    return page_table[rows, logical_page], positions % page_size
+
+
+def layer_pages(cache_kv: jax.Array) -> jax.Array:
+    """[layers, num_pages, ...] -> [layers * num_pages, ...]: a free reshape. Layer l's pages are
+    then addressed by `page_table + l * num_pages`, so kernels read the stacked cache in place."""
+    return cache_kv.reshape((-1,) + cache_kv.shape[2:])
+
+
+def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
+                 lengths: jax.Array) -> PagedKVCache:
+    """Write every layer's prompt keys/values [L, B, T, HK, D] and set `lengths` [B]."""
+    L, B, T = keys.shape[:3]
+    page, slot = token_address(cache.page_table, jnp.broadcast_to(jnp.arange(T), (B, T)),
+                               cache.page_size)
+    layer = jnp.arange(L)[:, None, None]
+    k = cache.k.at[layer, page[None], :, slot[None]].set(keys.astype(cache.k.dtype))
+    v = cache.v.at[layer, page[None], :, slot[None]].set(values.astype(cache.v.dtype))
+    return cache.replace(k=k, v=v, lengths=lengths.astype(jnp.int32))
+
+
+def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: jax.Array,
+                k: jax.Array, v: jax.Array):
+    """Write one token per row into flattened layer pages (see `layer_pages`).
+
+    pages, slots [B] physical addresses already offset to the layer; k, v [B, HK, D].
+    """
+    k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype))
+    v_flat = v_flat.at[pages, :, slots].set(v.astype(v_flat.dtype))
+    return k_flat, v_flat

@@ -1,0 +1,166 @@
+"""Generation as small functions: prefill, decode_step, sample, generate.
+
+`generate` = prefill + a `lax.while_loop` of decode steps, jitted end to end. The sparse
+method (a `SparsePlan`) is a static argument: one compile per (plan, shapes).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from sparsejax import cache as kv
+from sparsejax.models import Model, embed, forward, unembed
+from sparsejax.plan import SparsePlan, as_plan
+from sparsejax.stack import decode_layers, prefill_state
+
+
+class GenerateOutput(NamedTuple):
+    tokens: jax.Array          # [B, max_new_tokens] int32; after EOS, EOS
+    num_generated: jax.Array   # [B] int32, counting the EOS token
+    diagnostics: dict | None = None  # per step and layer, when asked (see methods docs)
+
+
+class Sampling(NamedTuple):
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+
+# ---- the two model passes -------------------------------------------------------------------
+def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths: jax.Array,
+            plan: SparsePlan):
+    """Dense forward over right-padded prompts; writes the pages, computes method state.
+
+    Returns (logits [B, vocab] f32 at each row's last prompt token, cache).
+    """
+    kv.check_capacity(cache, input_ids.shape[1], "the prompt")
+    out = forward(model, input_ids, lengths)
+    cache = kv.write_prompt(cache, out.keys, out.values, lengths)
+    cache = cache.replace(state=prefill_state(model, cache, out, plan))
+    last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return unembed(model, last), cache
+
+
+def decode_step(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparsePlan,
+                diagnostics: bool = False):
+    """One token per row: write its K/V at position `lengths`, attend, advance `lengths`.
+
+    Returns (logits [B, vocab] f32, cache[, per-layer diagnostics]).
+    """
+    h = embed(model, tokens)
+    h, cache, diag = decode_layers(model, cache, h, plan, diagnostics)
+    cache = cache.replace(lengths=cache.lengths + 1)
+    logits = unembed(model, h)
+    return (logits, cache, diag) if diagnostics else (logits, cache)
+
+
+# ---- sampling -------------------------------------------------------------------------------
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Greedy at temperature 0; otherwise temperature, then top-k, then top-p (nucleus)."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p is not None:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(mass_before < sampling.top_p, sorted_logits, jnp.inf),
+                         axis=-1, keepdims=True)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ---- generate -------------------------------------------------------------------------------
+def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, rng: jax.Array | None = None,
+             page_size: int | None = None, return_diagnostics: bool = False) -> GenerateOutput:
+    """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`.
+
+    `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
+    Greedy when `temperature` is 0, else sampled with the explicit PRNG key `rng`. A row that
+    emits an EOS token stops; its remaining tokens are EOS. The page size defaults to 16, or
+    to the method's own when it selects pages.
+    """
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    if input_ids.ndim != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq >= 1]")
+    B, T = input_ids.shape
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths has shape {lengths.shape}: expected ({B},)")
+    if not isinstance(lengths, jax.core.Tracer):
+        lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
+        if lo < 1 or hi > T:
+            raise ValueError(f"lengths range over [{lo}, {hi}]: expected 1 <= length <= {T}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: expected >= 0")
+    if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
+        raise ValueError(f"top_k={top_k!r}: expected an int in [1, {model.config.vocab_size}]")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
+    if temperature > 0 and rng is None:
+        raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
+    plan = as_plan(method, model.config, page_size)
+    model.config.check_context(T + max_new_tokens)
+    eos = () if eos_token_id is None else (
+        (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(e) for e in eos_token_id))
+    rng = jax.random.key(0) if rng is None else rng
+    return _generate(model, input_ids, lengths, rng, max_new_tokens=max_new_tokens, plan=plan,
+                     sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
+                     diagnostics=bool(return_diagnostics))
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
+                                             "diagnostics"))
+def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
+              diagnostics):
+    B, T = input_ids.shape
+    cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
+                        dtype=model.dtype)
+    logits, cache = prefill(model, cache, input_ids, lengths, plan)
+    eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    pad = eos_ids[0] if eos else jnp.int32(0)
+    is_eos = lambda t: jnp.any(t[:, None] == eos_ids[None, :], axis=-1)  # noqa: E731
+
+    key, sub = jax.random.split(rng)
+    first = sample(logits, sub, sampling)
+    tokens = jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
+    done = is_eos(first) if eos else jnp.zeros((B,), bool)
+    diag = None
+    if diagnostics:
+        diag = jax.tree.map(lambda x: jnp.zeros((max_new_tokens - 1,) + x.shape, x.dtype),
+                            jax.eval_shape(lambda c: decode_step(model, c, first, plan, True)[2],
+                                           cache))
+
+    def cond(s):
+        step, _, done, *_ = s
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(s):
+        step, tokens, done, num, cache, key, diag = s
+        out = decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
+        logits, cache = out[0], out[1]
+        if diagnostics:
+            diag = jax.tree.map(lambda acc, x: acc.at[step - 1].set(x), diag, out[2])
+        key, sub = jax.random.split(key)
+        tok = jnp.where(done, pad, sample(logits, sub, sampling))
+        tokens = tokens.at[:, step].set(tok)
+        num = num + (~done).astype(jnp.int32)
+        done = done | is_eos(tok) if eos else done
+        return step + 1, tokens, done, num, cache, key, diag
+
+    state = (jnp.int32(1), tokens, done, jnp.ones((B,), jnp.int32), cache, key, diag)
+    _, tokens, _, num, _, _, diag = jax.lax.while_loop(cond, body, state)
+    return GenerateOutput(tokens, num, diag)

@@ -1,0 +1,389 @@
+"""Sparse decoding methods: each a small frozen (hashable) constructor of a `SparsePlan`.
+
+Defaults follow the papers (layer indices are for 28-32-layer models; `scaled_to(num_layers)`
+maps them onto another depth). Token budgets are in tokens and rounded up to the selection unit.
+
+  Dense()                                  every layer dense
+  OracleTopK(ratio=0.1 | k=...)            every layer picks its own exact top-k per query head
+  StreamingLLM(sinks=4, window=1024)       sinks + recent window, every layer
+  Quest(page_size=16, token_budget=1024)   per-query-head page bound, first 2 layers dense
+  TidalDecode(select_layers=(2, 13))       layers 0-1 dense, per-query-head top-k re-selected at 2, 13
+  DELTA(delta_layers=(2, 14, 22))          pages chosen by the max over all heads at Δ-layers
+  Kascade(anchor_layers=(0, 2, 8, 13, 14)) per-KV-head token top-k at anchors, head-mapped reuse
+  Lychee(retrieval_heads=...)              retrieval heads select per head, sparse heads inherit
+  RESA(base, lam=1.0)                      any of the above + the unselected prompt's residual
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparsejax.models import ModelConfig
+from sparsejax.plan import Budget, Residual, Role, Selector, SparsePlan
+
+DEFAULT_PAGE_SIZE = 16
+
+
+# ---- budgets (tokens) -----------------------------------------------------------------------
+def TopK(k: int) -> Budget:
+    """Keep k tokens (rounded up to whole units)."""
+    if not isinstance(k, (int, np.integer)) or k <= 0:
+        raise ValueError(f"TopK(k={k!r}): expected an int > 0")
+    return Budget("fixed", int(k))
+
+
+def Ratio(ratio: float, minimum: int = 0) -> Budget:
+    """Keep ceil(ratio × context), at least `minimum` tokens (and never more than the context)."""
+    return Budget("ratio", float(ratio), minimum=int(minimum))
+
+
+def TopP(p: float, limit: int | None = None) -> Budget:
+    """Keep the smallest set whose attention mass reaches p (buffer capped at `limit` tokens)."""
+    return Budget("top_p", float(p), limit=limit)
+
+
+def Threshold(t: float, limit: int | None = None) -> Budget:
+    """Keep every token whose attention probability is at least t."""
+    return Budget("threshold", float(t), limit=limit)
+
+
+def _in_units(budget: Budget, unit: int) -> Budget:
+    up = lambda n: None if n is None else -(-int(n) // unit)  # noqa: E731
+    if budget.kind == "fixed":
+        return Budget("fixed", up(budget.value))
+    return Budget(budget.kind, budget.value, minimum=up(budget.minimum), limit=up(budget.limit))
+
+
+# ---- validation -----------------------------------------------------------------------------
+def _layers(name: str, layers, num_layers: int) -> tuple[int, ...]:
+    layers = tuple(int(i) for i in layers)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{name}={layers}: layer indices {bad} are out of range for a model "
+                         f"with {num_layers} layers")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{name}={layers}: repeated layer indices")
+    return tuple(sorted(layers))
+
+
+def _page_size(method: str, fixed: int | None, requested: int | None) -> int:
+    if fixed is not None and requested is not None and requested != fixed:
+        raise ValueError(f"{method} selects pages of {fixed} tokens; page_size={requested} "
+                         "disagrees (leave page_size unset or make them equal)")
+    return fixed or requested or DEFAULT_PAGE_SIZE
+
+
+def _positive(name: str, value) -> None:
+    if value is None or value <= 0:
+        raise ValueError(f"{name}={value!r}: expected > 0")
+
+
+def _scale_layers(layers, num_layers: int, reference: int = 28) -> tuple[int, ...]:
+    """Map layer indices chosen for a `reference`-deep model onto `num_layers`.
+
+    Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth and are
+    kept strictly increasing; any that fall off the end are dropped."""
+    out: list[int] = []
+    for i in sorted(layers):
+        j = i if i <= 2 else round(i * (num_layers - 1) / (reference - 1))
+        j = max(j, out[-1] + 1) if out else j
+        if j < num_layers:
+            out.append(j)
+    return tuple(out)
+
+
+def _roles(num_layers: int, dense=(), select=(), default=Role.REUSE) -> tuple[Role, ...]:
+    """Dense and selecting layers as given; the rest reuse, or are dense before the first select."""
+    first = min(select) if select else num_layers
+    roles = []
+    for i in range(num_layers):
+        if i in select:
+            roles.append(Role.SELECT)
+        elif i in dense or i < first:
+            roles.append(Role.DENSE)
+        else:
+            roles.append(default)
+    return tuple(roles)
+
+
+# ---- methods --------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    def to_plan(self, config: ModelConfig, page_size: int | None = None) -> SparsePlan:
+        return SparsePlan("dense", (Role.DENSE,) * config.num_layers,
+                          _page_size("Dense", None, page_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTopK:
+    """Every layer attends to the top-k of its own exact attention, per query head: the
+    accuracy ceiling for a given budget (it still computes dense attention to know it)."""
+    ratio: float | None = 0.1
+    k: int | None = None
+    min_k: int = 0
+
+    def __post_init__(self):
+        if (self.ratio is None) == (self.k is None):
+            raise ValueError(f"OracleTopK: give exactly one of ratio={self.ratio} and k={self.k}")
+        _positive("OracleTopK k" if self.k is not None else "OracleTopK ratio",
+                  self.k if self.k is not None else self.ratio)
+
+    def to_plan(self, config, page_size=None):
+        budget = TopK(self.k) if self.k is not None else Ratio(self.ratio, self.min_k)
+        return SparsePlan("oracle", (Role.SELF,) * config.num_layers,
+                          _page_size("OracleTopK", None, page_size),
+                          Selector("head_probs", 1, "query", budget))
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM:
+    sinks: int = 4
+    window: int = 1024
+
+    def __post_init__(self):
+        _positive("StreamingLLM window", self.window)
+        if self.sinks < 0:
+            raise ValueError(f"StreamingLLM sinks={self.sinks}: expected >= 0")
+
+    def to_plan(self, config, page_size=None):
+        roles = (Role.SELF,) + (Role.REUSE,) * (config.num_layers - 1)
+        return SparsePlan("streaming", roles, _page_size("StreamingLLM", None, page_size),
+                          Selector("none", 1, "shared", TopK(self.sinks + self.window),
+                                   sinks=self.sinks, recent=self.window))
+
+
+@dataclasses.dataclass(frozen=True)
+class Quest:
+    page_size: int = 16
+    token_budget: int = 1024
+    dense_layers: int = 2
+
+    def __post_init__(self):
+        _positive("Quest token_budget", self.token_budget)
+        if self.dense_layers < 0:
+            raise ValueError(f"Quest dense_layers={self.dense_layers}: expected >= 0")
+
+    def to_plan(self, config, page_size=None):
+        p = _page_size("Quest", self.page_size, page_size)
+        if self.dense_layers > config.num_layers:
+            raise ValueError(f"Quest dense_layers={self.dense_layers} exceeds the model's "
+                             f"{config.num_layers} layers")
+        roles = (Role.DENSE,) * self.dense_layers + (Role.SELF,) * (
+            config.num_layers - self.dense_layers)
+        return SparsePlan("quest", roles, p,
+                          Selector("quest_bound", p, "query", _in_units(TopK(self.token_budget), p)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TidalDecode:
+    dense_layers: tuple[int, ...] = (0, 1)
+    select_layers: tuple[int, ...] = (2, 13)
+    k: int = 4096
+
+    def __post_init__(self):
+        _positive("TidalDecode k", self.k)
+
+    def scaled_to(self, num_layers: int) -> "TidalDecode":
+        return dataclasses.replace(self, select_layers=_scale_layers(self.select_layers, num_layers))
+
+    def to_plan(self, config, page_size=None):
+        L = config.num_layers
+        dense = _layers("TidalDecode dense_layers", self.dense_layers, L)
+        select = _layers("TidalDecode select_layers", self.select_layers, L)
+        if set(dense) & set(select):
+            raise ValueError(f"TidalDecode: layers {sorted(set(dense) & set(select))} are both "
+                             "dense and selecting")
+        return SparsePlan("tidal", _roles(L, dense, select), _page_size("TidalDecode", None, page_size),
+                          Selector("head_probs", 1, "query", TopK(self.k)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DELTA:
+    dense_layers: tuple[int, ...] = (0, 1)
+    delta_layers: tuple[int, ...] = (2, 14, 22)
+    page_size: int = 16
+    budget_pages: int = 64
+    recent_pages: int = 8
+
+    def __post_init__(self):
+        _positive("DELTA budget_pages", self.budget_pages)
+        if not 0 <= self.recent_pages <= self.budget_pages:
+            raise ValueError(f"DELTA recent_pages={self.recent_pages}: expected 0 <= recent_pages "
+                             f"<= budget_pages={self.budget_pages}")
+
+    def scaled_to(self, num_layers: int) -> "DELTA":
+        return dataclasses.replace(self, delta_layers=_scale_layers(self.delta_layers, num_layers))
+
+    @classmethod
+    def from_calibration(cls, path, **overrides) -> "DELTA":
+        from sparsejax.calibrate import load_calibration
+        calib = load_calibration(path, "delta")
+        return cls(delta_layers=tuple(calib["layers"]), **overrides)
+
+    def to_plan(self, config, page_size=None):
+        L = config.num_layers
+        p = _page_size("DELTA", self.page_size, page_size)
+        dense = _layers("DELTA dense_layers", self.dense_layers, L)
+        delta = _layers("DELTA delta_layers", self.delta_layers, L)
+        if set(dense) & set(delta):
+            raise ValueError(f"DELTA: layers {sorted(set(dense) & set(delta))} are both dense and "
+                             "Δ-layers")
+        return SparsePlan("delta", _roles(L, dense, delta), p,
+                          Selector("max_heads", p, "shared", Budget("fixed", self.budget_pages),
+                                   recent=self.recent_pages * p))
+
+
+@dataclasses.dataclass(frozen=True)
+class Kascade:
+    anchor_layers: tuple[int, ...] = (0, 2, 8, 13, 14)
+    ratio: float = 0.1
+    min_k: int = 128
+    head_map: Any = None          # [layers, kv_heads] ints, or None for identity
+    pooled_all_heads: bool = False
+
+    def __post_init__(self):
+        _positive("Kascade ratio", self.ratio)
+        if self.ratio > 1:
+            raise ValueError(f"Kascade ratio={self.ratio}: expected 0 < ratio <= 1")
+        if self.min_k < 0:
+            raise ValueError(f"Kascade min_k={self.min_k}: expected >= 0")
+        if self.head_map is not None:
+            hm = np.asarray(self.head_map)
+            if hm.ndim != 2 or not np.issubdtype(hm.dtype, np.integer):
+                raise ValueError(f"Kascade head_map has shape {hm.shape} ({hm.dtype}): expected "
+                                 "integers of shape [layers, kv_heads]")
+            object.__setattr__(self, "head_map", tuple(tuple(int(x) for x in r) for r in hm))
+
+    def scaled_to(self, num_layers: int) -> "Kascade":
+        return dataclasses.replace(self, anchor_layers=_scale_layers(self.anchor_layers, num_layers))
+
+    @classmethod
+    def from_calibration(cls, path, **overrides) -> "Kascade":
+        from sparsejax.calibrate import load_calibration
+        calib = load_calibration(path, "kascade")
+        return cls(anchor_layers=tuple(calib["layers"]), head_map=calib["head_map"], **overrides)
+
+    def to_plan(self, config, page_size=None):
+        L, HK = config.num_layers, config.num_kv_heads
+        anchors = _layers("Kascade anchor_layers", self.anchor_layers, L)
+        if 0 not in anchors:
+            raise ValueError(f"Kascade anchor_layers={anchors}: layer 0 must be an anchor (it is "
+                             "always dense and selecting)")
+        head_map = self.head_map
+        if head_map is not None:
+            hm = np.asarray(head_map)
+            if hm.shape != (L, HK):
+                raise ValueError(f"Kascade head_map has shape {hm.shape}: expected [{L}, {HK}]")
+            if hm.min() < 0 or hm.max() >= HK:
+                raise ValueError(f"Kascade head_map values span [{hm.min()}, {hm.max()}]: expected "
+                                 f"KV head indices in [0, {HK})")
+        groups = "shared" if self.pooled_all_heads else "kv"
+        score = "all_heads_sum" if self.pooled_all_heads else "group_sum"
+        return SparsePlan("kascade", _roles(L, (), anchors), _page_size("Kascade", None, page_size),
+                          Selector(score, 1, groups, Ratio(self.ratio, self.min_k)),
+                          head_map=None if self.pooled_all_heads else head_map)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lychee:
+    """retrieval_heads: [layers, kv_heads] bools, or the path of a gate checkpoint (Orbax
+    directory, the reference code's a.pt/b.pt/full_head.pt, or a DuoAttention TSV)."""
+    retrieval_heads: Any = None
+    budget: Budget = TopK(4096)
+    sinks: int = 128
+    recent: int = 256
+    block: int = 1
+    gates: Any = None   # alias of retrieval_heads given as a checkpoint path
+
+    def __post_init__(self):
+        source = self.gates if self.gates is not None else self.retrieval_heads
+        if source is None:
+            raise ValueError("Lychee needs retrieval_heads=[layers, kv_heads] bools or gates=PATH")
+        if isinstance(source, (str, Path)):
+            from sparsejax.train.gates import load_retrieval_heads
+            source = load_retrieval_heads(source)
+        mask = np.asarray(source)
+        if mask.ndim != 2:
+            raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected "
+                             "[layers, kv_heads]")
+        object.__setattr__(self, "retrieval_heads", tuple(tuple(bool(x) for x in r) for r in mask))
+        object.__setattr__(self, "gates", None)
+        if not isinstance(self.budget, Budget):
+            raise ValueError(f"Lychee budget={self.budget!r}: expected TopK, Ratio, TopP or "
+                             "Threshold")
+        if self.sinks < 0 or self.recent < 0:
+            raise ValueError(f"Lychee sinks={self.sinks}, recent={self.recent}: expected >= 0")
+        _positive("Lychee block", self.block)
+
+    def to_plan(self, config, page_size=None):
+        L, HK = config.num_layers, config.num_kv_heads
+        mask = np.array(self.retrieval_heads, bool)
+        if mask.shape != (L, HK):
+            raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected [{L}, {HK}]")
+        mask[0] = True   # layer 0 is all retrieval
+        p = _page_size("Lychee", None, page_size)
+        roles = tuple(Role.SELECT if r.all() else Role.REUSE if not r.any() else Role.HYBRID
+                      for r in mask)
+        budget = _in_units(self.budget, self.block)
+        return SparsePlan("lychee", roles, p,
+                          Selector("mean_query", self.block, "kv", budget, sinks=self.sinks,
+                                   recent=self.recent),
+                          retrieval=tuple(tuple(bool(x) for x in r) for r in mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class RESA:
+    base: Any
+    lam: float = 1.0
+    fold_decode_tokens: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.base, (RESA, Dense)) or not hasattr(self.base, "to_plan"):
+            raise ValueError(f"RESA base={self.base!r}: expected a sparse method to wrap")
+
+    def to_plan(self, config, page_size=None):
+        plan = self.base.to_plan(config, page_size)
+        return dataclasses.replace(plan, name=f"{plan.name}+resa",
+                                   residual=Residual(float(self.lam), self.fold_decode_tokens))
+
+
+METHODS = {"dense": Dense, "oracle": OracleTopK, "streaming": StreamingLLM, "quest": Quest,
+           "tidal": TidalDecode, "delta": DELTA, "kascade": Kascade, "lychee": Lychee}
+
+
+def random_retrieval_heads(config: ModelConfig, count: int, seed: int = 0) -> np.ndarray:
+    """`count` retrieval heads drawn uniformly among layers >= 1 (layer 0 is all retrieval)."""
+    L, HK = config.num_layers, config.num_kv_heads
+    if not 0 <= count <= (L - 1) * HK:
+        raise ValueError(f"count={count}: expected 0..{(L - 1) * HK} retrieval heads")
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((L, HK), bool)
+    mask[0] = True
+    flat = rng.choice((L - 1) * HK, size=count, replace=False)
+    mask[1:].reshape(-1)[flat] = True
+    return mask
+
+
+def budget_ratio_methods(config: ModelConfig, ratio: float, context: int, *,
+                         retrieval_heads=None) -> dict[str, Any]:
+    """Every method at one budget ratio of the context, with layer choices scaled to the depth."""
+    L = config.num_layers
+    tokens = max(1, math.ceil(ratio * context))
+    pages = max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))
+    recent_pages = max(1, min(8, pages // 4))
+    return {
+        "dense": Dense(),
+        "oracle": OracleTopK(k=tokens),
+        "streaming": StreamingLLM(sinks=4, window=max(1, tokens - 4)),
+        "quest": Quest(token_budget=tokens, dense_layers=min(2, L)),
+        "tidal": TidalDecode(k=tokens).scaled_to(L),
+        "delta": DELTA(budget_pages=pages, recent_pages=recent_pages).scaled_to(L),
+        "kascade": Kascade(ratio=ratio, min_k=0).scaled_to(L),
+        "lychee": Lychee(retrieval_heads if retrieval_heads is not None
+                         else random_retrieval_heads(config, max(1, (L - 1) * config.num_kv_heads // 8)),
+                         budget=TopK(tokens), sinks=min(128, tokens // 8), recent=min(256, tokens // 4)),
+    }

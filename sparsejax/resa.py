@@ -1,0 +1,95 @@
+"""RESA: add back the unselected prefill keys' contribution from a rank-1 prior (DESIGN §8).
+
+Prior per layer and query head, computed once at the end of prefill (fp32):
+  mu_q   mean post-RoPE prompt query,  mu_k  mean prompt key (per KV head),
+  P_j = mu_q·k_j/sqrt(d),  lse = LSE_j(P_j),  o_est = softmax(P) V.
+At a sparse head with selected set I (real logits s_j, output o_sa, log-normaliser lse_sa):
+  b = (q - mu_q)·mu_k/sqrt(d)                     first-order correction of the logits
+  x = LSE_{j in I, j < prefill}(P_j) - lse         (the kernel's prior partial, <= 0)
+  A = log(lam) + b + lse
+  lse_rest = A + log1mexp(x);  lse' = logaddexp(lse_sa, lse_rest)
+  o = e^{A - lse'} (o_est - e^x o_I) + e^{lse_sa - lse'} o_sa
+lam = 0 gives the base method exactly (A = -inf); I = every prefill key gives x = 0, so
+log1mexp(0) = -inf and the output is the exact sparse (= dense) one.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sparsejax.models.decoder import ForwardOutput
+
+
+class Prior(NamedTuple):
+    mu_q: jax.Array    # [B, HQ, D] f32
+    mu_k: jax.Array    # [B, HK, D] f32
+    lse: jax.Array     # [B, HQ] f32
+    o_est: jax.Array   # [B, HQ, D] f32
+    length: jax.Array  # [B] int32 prompt length the prior covers
+
+
+def init_prior(out: ForwardOutput, lengths: jax.Array) -> Prior:
+    """Stacked [L, ...] priors from the prompt's forward pass (each row over its own length)."""
+    def layer(xs):
+        mu_q, k, v = xs                                   # [B,HQ,D], [B,T,HK,D], [B,T,HK,D]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
+        mu_k = jnp.einsum("btkd,bt->bkd", k, valid) / lengths[:, None, None].astype(jnp.float32)
+        o_est, lse = jax.nn.dot_product_attention(
+            mu_q[:, None], k, v, key_value_seq_lengths=lengths, return_residual=True,
+            implementation="xla")
+        return mu_k, lse[:, :, 0], o_est[:, 0]
+    mu_k, lse, o_est = jax.lax.map(layer, (out.query_means, out.keys, out.values))
+    L = out.keys.shape[0]
+    return Prior(out.query_means, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
+
+
+def layer_prior(state: dict, layer: jax.Array) -> Prior:
+    return jax.tree.map(lambda x: x[layer], state["prior"])
+
+
+def prior_length(plan, prior: Prior, lengths: jax.Array) -> jax.Array:
+    """Keys the prior covers: the prompt, or everything once decode tokens are folded in."""
+    return lengths if plan.residual.fold_decode_tokens else prior.length
+
+
+def log1mexp(x: jax.Array) -> jax.Array:
+    """log(1 - e^x) for x <= 0, accurate near 0 and for very negative x; log1mexp(0) = -inf."""
+    x = jnp.minimum(x, 0.0)
+    return jnp.where(x > -0.6931471805599453, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial, prior: Prior):
+    """RESA output [B, HQ, D] f32 from the sparse attention and the kernel's prior partial.
+
+    partial = (lse_I [B, HQ], o_I [B, HQ, D]): mu_q's log-sum-exp and softmax-weighted values
+    over the selected prompt keys.
+    """
+    lse_i, o_i = partial
+    d = q.shape[-1]
+    group = q.shape[1] // prior.mu_k.shape[1]
+    mu_k = jnp.repeat(prior.mu_k, group, axis=1)
+    b = jnp.sum((q.astype(jnp.float32) - prior.mu_q) * mu_k, axis=-1) / jnp.sqrt(jnp.float32(d))
+    x = jnp.minimum(lse_i - prior.lse, 0.0)
+    a = jnp.log(jnp.float32(residual.lam)) + b + prior.lse
+    lse_rest = a + log1mexp(x)
+    lse_new = jnp.logaddexp(lse_sa, lse_rest)
+    w_rest = jnp.exp(a - lse_new)[..., None]
+    w_sa = jnp.exp(lse_sa - lse_new)[..., None]
+    # e^x o_I is 0 when nothing selected lies in the prompt (x = -inf, o_I = 0)
+    rest = prior.o_est - jnp.where(jnp.isfinite(x), jnp.exp(x), 0.0)[..., None] * o_i
+    return jnp.where(w_rest > 0, w_rest * rest, 0.0) + w_sa * out_sa.astype(jnp.float32)
+
+
+def fold_token(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array) -> Prior:
+    """Fold this step's key/value [B, HK, D] into layer `layer`'s prior: O(1) per step."""
+    p = jax.tree.map(lambda x: x[layer], prior)
+    group = p.mu_q.shape[1] // k.shape[1]
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+    logit = jnp.sum(p.mu_q * kf, axis=-1) / jnp.sqrt(jnp.float32(k.shape[-1]))
+    lse = jnp.logaddexp(p.lse, logit)
+    o_est = (jnp.exp(p.lse - lse)[..., None] * p.o_est + jnp.exp(logit - lse)[..., None] * vf)
+    return prior._replace(lse=prior.lse.at[layer].set(lse), o_est=prior.o_est.at[layer].set(o_est))

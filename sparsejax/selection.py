@@ -1,0 +1,186 @@
+"""Selecting: kernel scores -> per-unit scores per group -> budget -> top-k -> Selection.
+
+Also the per-layer method state that selectors keep in the cache (Quest's page key bounds) and
+its updates. Every select step ends in `pallas_kernels.topk_select`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsejax import resa
+from sparsejax.cache import PagedKVCache
+from sparsejax.models import Model, ModelConfig
+from sparsejax.models.decoder import ForwardOutput
+from sparsejax.pallas_kernels import (fixed_budget, paged_decode_attention, ratio_budget,
+                                      threshold_budget, top_p_budget, topk_select)
+from sparsejax.plan import Selection, Selector, SparsePlan
+
+# Scores that are logits (pooled over a unit by max) rather than probabilities (pooled by sum).
+_LOGIT_SCORES = ("mean_query", "quest_bound")
+_KERNEL_SCORE = {"max_heads": "max_heads", "group_sum": "group_sum",
+                 "all_heads_sum": "group_sum", "mean_query": "mean_query",
+                 "head_probs": "head_probs"}
+
+
+def kernel_score(s: Selector) -> str:
+    """The dense kernel's score mode a selecting layer asks for."""
+    return _KERNEL_SCORE[s.score]
+
+
+def max_units(capacity: int, unit: int) -> int:
+    return -(-capacity // unit)
+
+
+def buffer_size(s: Selector, capacity: int) -> int:
+    """Static selection slots: the budget's buffer, never fewer than the forced units."""
+    n = max_units(capacity, s.unit)
+    return min(max(s.budget.buffer_size(n), s.force_first + s.force_last, 1), n)
+
+
+def empty_selection(plan: SparsePlan, config: ModelConfig, batch: int, capacity: int) -> Selection:
+    s = plan.selector
+    return Selection.empty(batch, s.num_groups(config), buffer_size(s, capacity))
+
+
+def _pool(scores: jax.Array, factor: int, logits: bool) -> jax.Array:
+    """[..., N] -> [..., ceil(N / factor)]: max for logits, sum of probabilities otherwise.
+    -inf marks positions past the length and contributes nothing."""
+    if factor == 1:
+        return scores
+    n = scores.shape[-1]
+    pad = -n % factor
+    scores = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    scores = scores.reshape(scores.shape[:-1] + (-1, factor))
+    if logits:
+        return jnp.max(scores, axis=-1)
+    finite = jnp.isfinite(scores)
+    total = jnp.sum(jnp.where(finite, scores, 0.0), axis=-1)
+    return jnp.where(jnp.any(finite, axis=-1), total, -jnp.inf)
+
+
+def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Array) -> jax.Array:
+    """Kernel scores -> [B, G, units] for the selector's unit and groups."""
+    B = lengths.shape[0]
+    if s.score == "none":
+        return jnp.zeros((B, 1, 1), jnp.float32)
+    if s.score in ("max_heads",):          # [B, pages] page sums
+        return _pool(scores[:, None], s.unit // page_size, logits=False)
+    if s.score == "quest_bound":           # [B, HQ, pages]
+        return _pool(scores, s.unit // page_size, logits=True)
+    if s.score == "all_heads_sum":         # [B, HK, T] -> one shared row
+        finite = jnp.isfinite(scores)
+        scores = jnp.where(jnp.any(finite, axis=1),
+                           jnp.sum(jnp.where(finite, scores, 0.0), axis=1), -jnp.inf)[:, None]
+    return _pool(scores, s.unit, logits=s.score in _LOGIT_SCORES)
+
+
+def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, lengths: jax.Array,
+           capacity: int) -> Selection:
+    """Top-k units per (row, group) under the selector's budget, sinks and recent window."""
+    s = plan.selector
+    B = lengths.shape[0]
+    G = s.num_groups(config)
+    valid_units = -(-lengths // s.unit)                                   # [B]
+    n_units = max_units(capacity, s.unit)
+    u = unit_scores(s, scores, plan.page_size, lengths)
+    u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
+    if u.shape[-1] < n_units:   # "none" scores, or kernels that return fewer columns
+        u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])), constant_values=-jnp.inf)
+    rows = u[..., :n_units].reshape(B * G, n_units)
+    valid = jnp.repeat(valid_units, G).astype(jnp.int32)
+    k = buffer_size(s, capacity)
+    k_row = budget_rows(s, rows, valid, k)
+    chosen = topk_select(rows, k, valid=valid, k_row=k_row, force_first=s.force_first,
+                         force_last=s.force_last)
+    return Selection(indices=chosen.indices.reshape(B, G, k), count=chosen.count.reshape(B, G))
+
+
+def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.Array:
+    """Per-row budget (units) from the selector's budget rule, capped by the buffer size."""
+    b = s.budget
+    logits = s.score in _LOGIT_SCORES
+    if b.kind == "fixed":
+        k_row = fixed_budget(int(b.value), valid)
+    elif b.kind == "ratio":
+        k_row = ratio_budget(b.value, valid, minimum=b.minimum)
+    elif b.kind == "top_p":
+        k_row = top_p_budget(rows, b.value, valid, logits=logits)
+    else:
+        k_row = threshold_budget(rows, b.value, valid, logits=logits)
+    return jnp.minimum(k_row, k).astype(jnp.int32)
+
+
+# ---- scores computed before attention (SELF layers) -----------------------------------------
+def pre_attention_scores(plan, q, k_pages, v_pages, table, lengths, layer, state, page_table):
+    """Scores a SELF layer selects from: `table` is this layer's offset page table,
+    `page_table` layer 0's (the per-layer state arrays index physical pages without offset)."""
+    s = plan.selector
+    if s.score == "head_probs":     # oracle: the layer's own exact attention
+        return paged_decode_attention(q, k_pages, v_pages, table, lengths,
+                                      score="head_probs").scores
+    if s.score == "quest_bound":
+        return quest_bound(q, state["kmin"][layer], state["kmax"][layer], page_table, lengths,
+                           plan.page_size)
+    if s.score == "none":
+        return None
+    raise ValueError(f"score={s.score!r} needs dense attention: use a SELECT layer")
+
+
+def quest_bound(q, kmin, kmax, page_table, lengths, page_size):
+    """Quest's per-query-head page bound sum_d max(q_d * max_d, q_d * min_d) -> [B, HQ, pages].
+
+    kmin/kmax [num_pages, HK, D]: each physical page's element-wise key bounds.
+    """
+    lo, hi = kmin[page_table], kmax[page_table]                      # [B, MP, HK, D]
+    group = q.shape[1] // kmin.shape[1]
+    lo, hi = jnp.repeat(lo, group, axis=2), jnp.repeat(hi, group, axis=2)
+    qf = q.astype(jnp.float32)[:, None]                              # [B, 1, HQ, D]
+    bound = jnp.sum(jnp.maximum(qf * hi, qf * lo), axis=-1)          # [B, MP, HQ]
+    pages_valid = -(-lengths // page_size)
+    bound = jnp.where(jnp.arange(bound.shape[1])[None, :, None] < pages_valid[:, None, None],
+                      bound, -jnp.inf)
+    return jnp.transpose(bound, (0, 2, 1))
+
+
+# ---- per-layer state ------------------------------------------------------------------------
+def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput, plan: SparsePlan):
+    state = {}
+    if plan.selector.score == "quest_bound":
+        state["kmin"], state["kmax"] = _page_bounds(cache, out.keys, cache.lengths)
+    if plan.residual is not None:
+        state["prior"] = resa.init_prior(out, cache.lengths)
+    return state or None
+
+
+def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
+    """Element-wise min / max key of each physical page over the prompt's valid tokens.
+    keys [L, B, T, HK, D] -> kmin, kmax [L, num_pages, HK, D] f32 (+inf / -inf when empty)."""
+    L, B, T, HK, D = keys.shape
+    P = cache.page_size
+    pages = -(-T // P)
+    pad = pages * P - T
+    kf = jnp.pad(keys.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+    kf = kf.reshape(L, B, pages, P, HK, D)
+    valid = (jnp.arange(pages * P) < lengths[:, None]).reshape(B, pages, P)[None, :, :, :, None,
+                                                                            None]
+    lo = jnp.min(jnp.where(valid, kf, jnp.inf), axis=3)
+    hi = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
+    phys = cache.page_table[:, :pages]
+    kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
+    kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
+    return kmin, kmax
+
+
+def update_state(plan: SparsePlan, state, layer, ctx, k, v, q):
+    """Fold this step's key into the per-layer state (Quest bounds, RESA's optional fold)."""
+    if state is None:
+        return None
+    state = dict(state)
+    if "kmin" in state:
+        kf = k.astype(jnp.float32)
+        state["kmin"] = state["kmin"].at[layer, ctx.pages].min(kf)
+        state["kmax"] = state["kmax"].at[layer, ctx.pages].max(kf)
+    if "prior" in state and plan.residual.fold_decode_tokens:
+        state["prior"] = resa.fold_token(state["prior"], layer, k, v)
+    return state

@@ -1,0 +1,173 @@
+"""Paged cache, prefill/decode and generate() against transformers and the full forward."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax
+from sparsejax import cache as kv
+from sparsejax.plan import dense_plan
+
+from hf_checkpoints import build
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    torch_model = build("llama-gqa-llama3rope-tied", path)
+    return sparsejax.from_pretrained(path, dtype=jnp.float32), torch_model
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    torch_model = build("qwen3-qknorm-headdim48", path)
+    return sparsejax.from_pretrained(path, dtype=jnp.float32), torch_model
+
+
+def ragged(lengths, vocab=97, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(0, vocab, n)
+    return ids, np.asarray(lengths, np.int32)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen3"])
+def test_greedy_matches_transformers(request, which):
+    import torch
+
+    model, torch_model = request.getfixturevalue(which)
+    ids, lengths = ragged([5, 19, 11])
+    out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=32)
+    assert out.tokens.shape == (3, 32) and out.tokens.dtype == jnp.int32
+    for i, n in enumerate(lengths):
+        with torch.no_grad():
+            want = torch_model.generate(torch.tensor(ids[i:i + 1, :n], dtype=torch.long),
+                                        max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        np.testing.assert_array_equal(np.asarray(out.tokens[i]), want[0, n:].numpy())
+    np.testing.assert_array_equal(np.asarray(out.num_generated), [32, 32, 32])
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_decode_logits_equal_full_forward(llama, page_size):
+    """Prompts of P-1, P and P+1 tokens, then decode steps across further page boundaries."""
+    model, _ = llama
+    P = page_size
+    prompt_lengths = [max(P - 1, 1), P, P + 1]
+    steps = P + 2
+    total = max(prompt_lengths) + steps
+    rng = np.random.default_rng(3)
+    seq = rng.integers(0, 97, (3, total)).astype(np.int32)
+    full = np.asarray(sparsejax.logits(model, seq))
+
+    plan = dense_plan(model.config, P)
+    cache = kv.allocate(model.config, 3, total, page_size=P, dtype=jnp.float32)
+    lengths = np.asarray(prompt_lengths, np.int32)
+    prompt = np.where(np.arange(max(prompt_lengths))[None] < lengths[:, None],
+                      seq[:, :max(prompt_lengths)], 0)
+    logits, cache = jax.jit(sparsejax.prefill, static_argnames="plan")(
+        model, cache, prompt, lengths, plan=plan)
+    rows = np.arange(3)
+    np.testing.assert_allclose(np.asarray(logits), full[rows, lengths - 1], atol=1e-4)
+    step = jax.jit(sparsejax.decode_step, static_argnames="plan")
+    for s in range(steps):
+        pos = lengths + s
+        logits, cache = step(model, cache, seq[rows, pos], plan=plan)
+        np.testing.assert_allclose(np.asarray(logits), full[rows, pos], atol=1e-4,
+                                   err_msg=f"step {s}")
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + steps)
+
+
+def test_cache_is_paged_through_the_table(llama):
+    """A shuffled page table gives the same logits as the identity one."""
+    model, _ = llama
+    plan = dense_plan(model.config, 4)
+    ids, lengths = ragged([7, 10], seed=5)
+    base = kv.allocate(model.config, 2, 16, page_size=4, dtype=jnp.float32)
+    perm = np.random.default_rng(0).permutation(base.num_pages).astype(np.int32)
+    shuffled = base.replace(page_table=jnp.asarray(perm.reshape(base.page_table.shape)))
+    outs = []
+    for c in (base, shuffled):
+        _, c = sparsejax.prefill(model, c, ids, lengths, plan)
+        logits, c = sparsejax.decode_step(model, c, jnp.array([3, 4]), plan)
+        outs.append(np.asarray(logits))
+    np.testing.assert_allclose(outs[0], outs[1], atol=1e-5)
+
+
+def test_eos_stops_rows(llama):
+    model, _ = llama
+    ids, lengths = ragged([6, 9, 4], seed=1)
+    free = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=12)
+    eos = int(free.tokens[1, 3])   # row 1 emits this at step 3
+    out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=12, eos_token_id=eos)
+    toks, num = np.asarray(out.tokens), np.asarray(out.num_generated)
+    for i in range(3):
+        row = np.asarray(free.tokens[i])
+        hits = np.flatnonzero(row == eos)
+        stop = hits[0] + 1 if hits.size else 12
+        assert num[i] == stop
+        np.testing.assert_array_equal(toks[i, :stop], row[:stop])
+        assert (toks[i, stop:] == eos).all()
+    assert num[1] <= 4
+
+
+def test_sampling(llama):
+    model, _ = llama
+    ids, lengths = ragged([6, 9], seed=2)
+    greedy = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=8)
+    top1 = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=8, temperature=0.7,
+                              top_k=1, rng=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(top1.tokens), np.asarray(greedy.tokens))
+    a = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=8, temperature=1.5,
+                           top_p=0.9, rng=jax.random.key(1))
+    b = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=8, temperature=1.5,
+                           top_p=0.9, rng=jax.random.key(1))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    c = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=8, temperature=1.5,
+                           rng=jax.random.key(2))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+def test_sample_top_p_keeps_the_nucleus():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    seen = set()
+    for s in range(200):
+        seen.add(int(sparsejax.sample(logits, jax.random.key(s),
+                                      sparsejax.Sampling(1.0, None, 0.75))[0]))
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens=0"),
+    (dict(max_new_tokens=4, temperature=-1.0), "temperature=-1.0"),
+    (dict(max_new_tokens=4, temperature=1.0), "rng="),
+    (dict(max_new_tokens=4, top_k=0), "top_k=0"),
+    (dict(max_new_tokens=4, top_p=1.5), "top_p=1.5"),
+    (dict(max_new_tokens=4, page_size=3), "page_size=3"),
+    (dict(max_new_tokens=4, page_size=512), "page_size=512"),
+    (dict(max_new_tokens=4, lengths=np.array([0, 3])), "lengths range"),
+    (dict(max_new_tokens=4, lengths=np.array([3, 9])), "lengths range"),
+    (dict(max_new_tokens=4, lengths=np.array([3])), "lengths has shape"),
+])
+def test_generate_bad_inputs(llama, kwargs, match):
+    model, _ = llama
+    with pytest.raises(ValueError, match=match):
+        sparsejax.generate(model, np.zeros((2, 5), np.int32), **kwargs)
+
+
+def test_prompt_larger_than_cache_refused_before_compute(llama):
+    model, _ = llama
+    cache = kv.allocate(model.config, 1, 10, page_size=4)   # 3 pages = 12 tokens
+    with pytest.raises(ValueError, match="needs 13 tokens per row but the cache holds 12"):
+        sparsejax.prefill(model, cache, np.zeros((1, 13), np.int32), np.array([13]),
+                          dense_plan(model.config, 4))
+
+
+def test_page_sizes_power_of_two_up_to_256(llama):
+    model, _ = llama
+    for p in (1, 2, 256):
+        assert kv.allocate(model.config, 1, 5, page_size=p).page_size == p
+    for p in (0, 3, 512):
+        with pytest.raises(ValueError, match=f"page_size={p}"):
+            kv.allocate(model.config, 1, 5, page_size=p)
