@@ -151,7 +151,8 @@ def _sparse_decode_kernel(
         k = plgpu.load(k_pages_ref.at[tile], mask=tile_mask, other=0)  # [block_n, D]
         v = plgpu.load(v_pages_ref.at[tile], mask=tile_mask, other=0)
 
-        s = plgpu.dot(qs, k, trans_b=True) * scale  # [block_h, block_n] f32
+        # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
+        s = plgpu.dot(qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
         keep = valid[None, :]
         if has_prior:
             keep = keep & (is_q[:, None] | (pos < prior_length)[None, :])
@@ -161,7 +162,8 @@ def _sparse_decode_kernel(
         alpha = jnp.exp2(m - m_shift)
         p = jnp.exp2(s - m_shift[:, None])
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
+                                               precision=lax.Precision.HIGHEST)
         return acc, m_new, l
 
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
