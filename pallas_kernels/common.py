@@ -5,6 +5,7 @@ call `merge_partials`.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Literal
 
@@ -23,15 +24,34 @@ Backend = Literal["auto", "pallas", "reference"]
 BACKENDS = ("auto", "pallas", "reference")
 
 
+_auto_override: list[str] = []
+
+
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+@contextlib.contextmanager
+def use_backend(backend: str):
+    """Within this block (at trace time), backend="auto" means `backend` — e.g. trace a whole
+    decode step on the references on a GPU to check the kernels end to end. Trace a fresh
+    function inside the block: an outer jit already traced keeps the path it compiled."""
+    if backend not in ("pallas", "reference"):
+        raise ValueError(f"backend={backend!r}: expected 'pallas' or 'reference'")
+    _auto_override.append(backend)
+    try:
+        yield
+    finally:
+        _auto_override.pop()
+
+
 def resolve_backend(backend: str) -> str:
-    """'auto' -> 'pallas' on GPU, 'reference' elsewhere."""
+    """'auto' -> 'pallas' on GPU, 'reference' elsewhere (or what `use_backend` says)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "auto":
+        if _auto_override:
+            return _auto_override[-1]
         return "pallas" if on_gpu() else "reference"
     return backend
 
@@ -108,3 +128,16 @@ def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array
 def check_choice(name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: expected one of {tuple(allowed)}")
+
+
+def group_of_head(groups: int, num_heads: int, num_kv_heads: int, head_map=None):
+    """Selection group each query head reads -> [HQ] int32. groups = 1 (shared), HK (per KV
+    head, through `head_map` [HK] when given) or HQ (per query head)."""
+    if groups == 1:
+        return jnp.zeros((num_heads,), jnp.int32)
+    if groups == num_heads and groups != num_kv_heads:
+        return jnp.arange(num_heads, dtype=jnp.int32)
+    kv_of_head = jnp.arange(num_heads, dtype=jnp.int32) // (num_heads // num_kv_heads)
+    if head_map is None:
+        return kv_of_head
+    return jnp.clip(head_map, 0, num_kv_heads - 1).astype(jnp.int32)[kv_of_head]

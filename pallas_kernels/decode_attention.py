@@ -258,9 +258,6 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads):
                          f"mask [{num_kv_heads}]")
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "score", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
-    "num_stages"))
 def paged_decode_attention(
     q: jax.Array,  # [B, HQ, D]
     k_pages: jax.Array,  # [num_pages, HK, P, D]
@@ -307,12 +304,25 @@ def paged_decode_attention(
       `default_tuning`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads)
+    # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
+    unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
+                                        dtypes=DTYPES, max_group=MAX_GROUP)
+    return _paged_decode_attention(
+        q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, sm_scale=sm_scale,
+        backend=common.choose_backend(backend, unsupported), interpret=interpret,
+        block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "score", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
+    "num_stages"))
+def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
+                            sm_scale, backend, interpret, block_n, num_splits, num_warps,
+                            num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
-    unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
-                                        dtypes=DTYPES, max_group=MAX_GROUP)
-    if common.choose_backend(backend, unsupported) == "reference":
+    if backend == "reference":
         return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths,
                                                 score=score, kv_heads=kv_heads,
                                                 sm_scale=sm_scale)
