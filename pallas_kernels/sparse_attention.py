@@ -15,19 +15,29 @@ a KV head and a selection: the GQA group of a KV head (G in {1, HK}) or a single
 sparse head, or [0, length) of a dense head. Every stream is cut into splits of the same
 static size `split_tokens`, and the grid is (row groups, max splits per row group): program
 (r, j) processes split j of row group r and writes one (out, lse) partial, or an empty one
-(lse = -inf) when its stream is shorter. Because every non-empty program does the same
-amount of work whatever head it belongs to, the hardware block scheduler balances the pool
-of splits across SMs: a dense head becomes many splits instead of one long program
-(LycheeDecode's pooled equal splits). `dense_heads` is traced, so the grid is sized for the
-worst case (max_pages*P tokens) only when it is given; an empty program runs no step (a few
-scalar loads, the query rows, an empty partial stored). `common.merge_partials` combines the
-partials.
+(lse = -inf, out not written) when its stream is shorter. Because every non-empty program
+does the same amount of work whatever head it belongs to, the hardware block scheduler
+balances the pool of splits across SMs: a dense head becomes many splits instead of one long
+program (LycheeDecode's pooled equal splits). `dense_heads` is traced, so the grid is sized
+for the worst case (max_pages*P tokens) only when it is given; an empty program runs no step.
+`common.merge_partials` combines the partials.
+
+One split per row group (split_tokens >= the longest stream, a static fact of the shapes):
+the kernel writes the normalised output in q's dtype and the final LSE itself, and there is
+no partial buffer and no merge. At small work per row group (DELTA's 64 pages, Kascade at 8k)
+the merge's two XLA fusions, their launches and the f32 partial round trip are a
+double-digit share of the call; the default tuning picks this path whenever the row groups
+alone fill the GPU (`_default_tuning`).
 
 Each program walks its split in steps of `block_n` tokens: token -> selected index ->
-logical position -> (page_table[b, pos // P], pos % P) -> one D-row of K and of V, gathered
-with masked vector loads (rows of one page are contiguous, so page and block units load
-whole tiles). The row group's queries are padded to 16 rows (M >= 16 for the dot); with RESA
-the prior queries mu_Q are stacked under them, so one gather feeds both softmaxes.
+logical position -> (page_table[b, pos // P], pos % P) -> one D-row of K and of V in the
+cache viewed as [num_pages * HK * P, D] rows, gathered with masked vector loads (each row is
+D contiguous elements, so every gather is whole 128-byte lines). As in the dense kernel, the
+index and page-table loads of step i+1 are issued in step i and carried (`prefetch`): the
+K/V addresses of a step are known when it starts, its two dependent lookups overlap the
+previous step's K/V traffic, and only the first step of a program waits for them. The row
+group's queries are padded to 16 rows (M >= 16 for the dot); with RESA the prior queries mu_Q
+are stacked under them, so one gather feeds both softmaxes.
 """
 from __future__ import annotations
 
@@ -46,11 +56,15 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 16
-TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages")
-# Default split: the sparse work alone should make ~8 waves of resident programs on a 132-SM
-# H200 (a short tail), and dense heads at most 256 splits (partials stay small).
-_TARGET_PROGRAMS = 4096
-_MAX_DENSE_SPLITS = 256
+TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages", "prefetch")
+# Default split rule (`_default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
+# program's K/V buffers (64 KiB) allow ~3 resident programs per SM:
+_NUM_SMS = 132
+_WAVE = 3 * _NUM_SMS  # programs resident at once
+_MAX_SPLIT_TOKENS = 2048  # longest split: bounds the tail of the last programs (~1 MiB each)
+_MIN_SPLIT_TOKENS = 256  # shortest split: the prologue and the partial write stay amortised
+_TARGET_PROGRAMS = 4 * _WAVE  # when splitting anyway: ~4 waves, a short tail
+_MAX_DENSE_SPLITS = 128  # dense heads: mostly-empty grids cost scheduling and partial bytes
 _LN2 = math.log(2.0)
 _LOG2E = math.log2(math.e)
 
@@ -61,36 +75,47 @@ class SparseAttention(NamedTuple):
     prior: tuple[jax.Array, jax.Array] | None  # (prior_lse [B, HQ] f32, prior_out [B, HQ, D] f32)
 
 
+def _load(ref, mask, other):
+    """plgpu.load, unmasked when mask is None."""
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=other)
+
+
 def _sparse_decode_kernel(
     page_table_ref,  # [B, max_pages] int32
     lengths_ref,  # [B] int32
     indices_ref,  # [B, G, K] int32
     count_ref,  # [B, G] int32
     q_ref,  # [B, HQ, D]
-    k_pages_ref,  # [num_pages, HK, P, D]
-    v_pages_ref,  # [num_pages, HK, P, D]
+    k_rows_ref,  # [num_pages * HK * P, D]: row (page * HK + h) * P + slot
+    v_rows_ref,  # [num_pages * HK * P, D]
     *refs,  # optional inputs, then outputs; see the unpacking below
     mode: str,
     has_head_map: bool,
     has_dense: bool,
     has_prior: bool,
     unit: int,
+    kv_heads: int,
+    page_size: int,
     sm_scale: float,
     block_h: int,
     block_n: int,
     split_tokens: int,
+    prefetch: bool,
 ):
     refs = list(refs)
     head_map_ref = refs.pop(0) if has_head_map else None  # [HK] int32
     dense_ref = refs.pop(0) if has_dense else None  # [HK] bool
     prior_query_ref = refs.pop(0) if has_prior else None  # [B, HQ, D]
     prior_length_ref = refs.pop(0) if has_prior else None  # [B] int32
-    out_ref, lse_ref = refs[:2]  # [S, B, HQ, D] f32, [S, B, HQ] f32
+    # [S, B, HQ, D] f32 partials and [S, B, HQ] f32, or with one split (S = 1) the final
+    # out in q's dtype and lse; then the same for the prior.
+    out_ref, lse_ref = refs[:2]
     prior_out_ref, prior_lse_ref = refs[2:] if has_prior else (None, None)
+    direct = out_ref.shape[0] == 1
 
     _, num_heads, head_dim = q_ref.shape
-    _, kv_heads, page_size, _ = k_pages_ref.shape
-    span = page_table_ref.shape[1] * page_size  # positions the page table can address
+    max_pages = page_table_ref.shape[1]
+    span = max_pages * page_size  # positions the page table can address
     max_entries = indices_ref.shape[2]
     group_size = num_heads // kv_heads
     rows = 1 if mode == "q" else group_size
@@ -115,6 +140,32 @@ def _sparse_decode_kernel(
     n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
     n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
 
+    def step_coords(i):
+        """Step i's K/V rows and logical positions ([block_n] int32 each; row 0 and
+        position -1 where nothing is attended)."""
+        t = start + i * block_n + jnp.arange(block_n)  # offsets into the stream
+        live = t < n_tokens
+        # Index entries and page-table slots are clamped in bounds, so these loads need no
+        # mask and wait neither for `count` nor `length` (only for the previous lookup);
+        # whatever they read for dead tokens is discarded, and K/V loads are masked. With
+        # dense heads the grid is mostly empty programs: there the lookups are masked off.
+        entry = jnp.minimum(t if unit == 1 else lax.div(t, unit), max_entries - 1)
+        lookup = None
+        if has_dense:
+            lookup = jnp.broadcast_to((i < n_steps) & jnp.logical_not(dense), (block_n,))
+        idx = _load(indices_ref.at[b, g, entry], lookup, -1)
+        in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
+        pos = idx if unit == 1 else idx * unit + lax.rem(t, unit)
+        if has_dense:
+            pos = jnp.where(dense, t, pos)
+            in_cache = in_cache | dense
+        valid = live & in_cache & (pos < length)
+        slot = jnp.clip(pos, 0, span - 1)
+        page = _load(page_table_ref.at[b, lax.div(slot, page_size)],
+                     jnp.broadcast_to(i < n_steps, (block_n,)) if has_dense else None, 0)
+        row = (page * kv_heads + h) * page_size + lax.rem(slot, page_size)
+        return jnp.where(valid, row, 0), jnp.where(valid, pos, -1)
+
     # Rows [0, rows) hold the queries, [rows, 2*rows) the RESA prior queries, the rest is padding.
     r = jnp.arange(block_h)
     is_q = r < rows
@@ -131,26 +182,11 @@ def _sparse_decode_kernel(
         qs = jnp.where(row_mask(is_prior), mu.astype(qs.dtype), qs)
     scale = sm_scale * _LOG2E  # online softmax in base 2
 
-    def step(i, carry):
-        acc, m, l = carry
-        t = start + i * block_n + jnp.arange(block_n)  # [block_n] offsets into the stream
-        live = t < n_tokens
-        entry = t if unit == 1 else lax.div(t, unit)  # t >= 0: truncating division is exact
-        gather_idx = (live & jnp.logical_not(dense)) if has_dense else live
-        idx = plgpu.load(indices_ref.at[b, g, entry], mask=gather_idx, other=-1)
-        in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
-        pos = jnp.where(in_cache, idx if unit == 1 else idx * unit + lax.rem(t, unit), -1)
-        if has_dense:
-            pos = jnp.where(dense, t, pos)
-        valid = live & (pos >= 0) & (pos < length)
-        pos = jnp.where(valid, pos, 0)
-        page = plgpu.load(page_table_ref.at[b, lax.div(pos, page_size)], mask=valid, other=0)
-        offset = lax.rem(pos, page_size)
+    def attend(row, pos, acc, m, l):
+        valid = pos >= 0
         tile_mask = jnp.broadcast_to(valid[:, None], (block_n, head_dim))
-        tile = (page[:, None], h, offset[:, None], cols)
-        k = plgpu.load(k_pages_ref.at[tile], mask=tile_mask, other=0)  # [block_n, D]
-        v = plgpu.load(v_pages_ref.at[tile], mask=tile_mask, other=0)
-
+        k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)  # [block_n, D]
+        v = plgpu.load(v_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
         # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
         s = plgpu.dot(qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
         keep = valid[None, :]
@@ -166,10 +202,18 @@ def _sparse_decode_kernel(
                                                precision=lax.Precision.HIGHEST)
         return acc, m_new, l
 
+    def step(i, carry):
+        if prefetch:  # this step's coordinates came with the carry; look up the next step's
+            acc, m, l, row, pos = carry
+            next_row, next_pos = step_coords(i + 1)
+            return (*attend(row, pos, acc, m, l), next_row, next_pos)
+        return attend(*step_coords(i), *carry)
+
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l))
+    carry = (acc, m, l, *step_coords(0)) if prefetch else (acc, m, l)
+    acc, m, l = lax.fori_loop(0, n_steps, step, carry)[:3]
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
@@ -180,30 +224,60 @@ def _sparse_decode_kernel(
             continue
         # Masked rows get distinct out-of-range heads: never written, never aliasing a real row.
         dst = jnp.where(rows_here, head, num_heads + r)
-        plgpu.store(o_ref.at[split, b, dst[:, None], cols], out, mask=row_mask(rows_here))
+        # A partial with nothing attended writes only its lse (-inf): the merge zeroes its
+        # out, so empty programs (most of a dense-head grid) cost no partial bytes.
+        written = rows_here if direct else rows_here & nonempty
+        plgpu.store(o_ref.at[split, b, dst[:, None], cols], out.astype(o_ref.dtype),
+                    mask=row_mask(written))
         plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
 
 
+def _split_tokens(stream: int, splits: int, block_n: int) -> int:
+    """Tokens per split that cut a `stream`-token stream into `splits` even pieces, rounded up
+    to whole steps (no short last split)."""
+    return max(block_n, common.cdiv(common.cdiv(stream, max(1, splits)), block_n) * block_n)
+
+
+def _default_splits(row_groups: int, sparse_tokens: int) -> int:
+    """Splits per sparse row group.
+
+    One (the direct-write path, no merge) when the row groups alone make a wave of resident
+    programs and no split is longer than _MAX_SPLIT_TOKENS; otherwise enough even splits for
+    both ~_TARGET_PROGRAMS programs and the length bound, none shorter than _MIN_SPLIT_TOKENS.
+    """
+    needed = common.cdiv(sparse_tokens, _MAX_SPLIT_TOKENS)
+    if needed == 1 and row_groups >= _WAVE:
+        return 1
+    fill = min(common.cdiv(_TARGET_PROGRAMS, row_groups), sparse_tokens // _MIN_SPLIT_TOKENS)
+    return max(needed, fill, 1)
+
+
 def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
-                    dense_tokens: int = 0) -> dict:
-    """Splits small enough to fill the GPU, large enough that the partials (one f32 D-row per
-    query row and split) stay a few percent of the gathered bytes."""
-    block_n = 64 if head_dim <= 128 else 32
-    split = common.next_power_of_2(common.cdiv(row_groups * sparse_tokens, _TARGET_PROGRAMS))
-    split = max(256, common.cdiv(dense_tokens, _MAX_DENSE_SPLITS), min(4096, split))
-    split = common.cdiv(split, block_n) * block_n
-    return {"block_n": block_n, "split_tokens": split, "num_warps": 4, "num_stages": 2}
+                    dense_tokens: int = 0, *, splits: int | None = None,
+                    block_n: int | None = None) -> dict:
+    """Static knobs from the shapes (`splits`/`block_n` override the rule, for sweeps).
+
+    block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256). split_tokens: the sparse
+    stream in `_default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
+    dense head's max_pages*P tokens.
+    """
+    block_n = block_n or (64 if head_dim <= 128 else 32)
+    splits = _default_splits(row_groups, sparse_tokens) if splits is None else splits
+    split = _split_tokens(sparse_tokens, splits, block_n)
+    split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
+    return {"block_n": block_n, "split_tokens": split, "num_warps": 4, "num_stages": 2,
+            "prefetch": True}
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("mode", "unit", "sm_scale", "block_n", "split_tokens", "num_warps",
-                     "num_stages", "interpret"))
+                     "num_stages", "prefetch", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
                           dense_heads, prior_query, prior_length, *, mode, unit, sm_scale,
-                          block_n, split_tokens, num_warps, num_stages, interpret):
+                          block_n, split_tokens, num_warps, num_stages, prefetch, interpret):
     batch, num_heads, head_dim = q.shape
-    kv_heads, page_size = k_pages.shape[1], k_pages.shape[2]
+    num_pages, kv_heads, page_size = k_pages.shape[:3]
     max_pages, max_entries = page_table.shape[1], indices.shape[2]
     has_prior = prior_query is not None
     rows = 1 if mode == "q" else num_heads // kv_heads
@@ -213,30 +287,45 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     if dense_heads is not None:
         stream = max(stream, max_pages * page_size)
     num_splits = common.cdiv(stream, split_tokens)
+    direct = num_splits == 1
+    # Free reshape of the contiguous cache: one row per (page, head, slot), as the dense kernel.
+    k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
 
     optional = [x for x in (head_map, dense_heads) if x is not None]
     if has_prior:
         optional += [prior_query, prior_length]
-    partial_out = jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), jnp.float32)
-    partial_lse = jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)
-    out_shape = [partial_out, partial_lse] * (2 if has_prior else 1)
+    out_dtype = q.dtype if direct else jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), out_dtype),
+                 jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)]
+    if has_prior:
+        out_shape += [jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), jnp.float32),
+                      out_shape[1]]
     kernel = functools.partial(
         _sparse_decode_kernel, mode=mode, has_head_map=head_map is not None,
-        has_dense=dense_heads is not None, has_prior=has_prior, unit=unit, sm_scale=sm_scale,
-        block_h=block_h, block_n=block_n, split_tokens=split_tokens)
+        has_dense=dense_heads is not None, has_prior=has_prior, unit=unit, kv_heads=kv_heads,
+        page_size=page_size, sm_scale=sm_scale, block_h=block_h, block_n=block_n,
+        split_tokens=split_tokens, prefetch=prefetch)
     partials = common.pallas_call(
         kernel,
         grid=(row_groups, num_splits),
         out_shape=out_shape,
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"sparse_decode_{mode}_unit{unit}",
-    )(page_table, lengths, indices, count, q, k_pages, v_pages, *optional)
+        name=f"sparse_decode_{mode}_unit{unit}_{'direct' if direct else 'split'}",
+    )(page_table, lengths, indices, count, q, k_rows, v_rows, *optional)
 
-    out, lse = common.merge_partials(partials[0], partials[1], axis=0)
+    def combine(out, lse):
+        if direct:
+            return out[0], lse[0]
+        # Empty partials left their out unwritten; their lse is -inf.
+        out = jnp.where(jnp.isfinite(lse)[..., None], out, 0.0)
+        return common.merge_partials(out, lse, axis=0)
+
+    out, lse = combine(partials[0], partials[1])
     prior = None
     if has_prior:
-        prior_out, prior_lse = common.merge_partials(partials[2], partials[3], axis=0)
+        prior_out, prior_lse = combine(partials[2], partials[3])
         prior = (prior_lse, prior_out)
     return SparseAttention(out.astype(q.dtype), lse, prior)
 
@@ -305,6 +394,8 @@ def _check_tuning(tuning: dict) -> None:
     for name in ("num_warps", "num_stages"):
         if tuning[name] < 1:
             raise ValueError(f"{name}={tuning[name]}: expected a positive int")
+    if not isinstance(tuning["prefetch"], bool):
+        raise ValueError(f"prefetch={tuning['prefetch']!r}: expected a bool")
 
 
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
@@ -330,7 +421,9 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
     the attended positions j < prior_length and its weighted sum of v_j (for dense heads
     that is every j < min(length, prior_length)). An empty set gives out 0 and lse -inf.
-    `tuning` (Pallas only, static): block_n, split_tokens, num_warps, num_stages.
+    `tuning` (Pallas only, static): block_n, split_tokens (>= the longest stream: one split,
+    written directly with no merge), num_warps, num_stages, prefetch (look up the next
+    step's K/V rows one step ahead; default True).
     """
     mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
                          head_map, dense_heads, prior_query, prior_length, tuning)
@@ -348,8 +441,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
 
     row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
-    tuning = {**_default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens),
-              **tuning}
+    tuning = {**_default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
+                                block_n=tuning.get("block_n")), **tuning}
     _check_tuning(tuning)
     if head_map is not None:
         head_map = head_map.astype(jnp.int32)

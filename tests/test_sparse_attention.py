@@ -1,4 +1,6 @@
 """Sparse gather decode attention: Pallas kernel (interpret mode on CPU) vs reference vs numpy."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.sparse_attention import (
     SparseAttention,
+    _default_tuning,
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
@@ -16,6 +19,10 @@ from sparsejax.pallas_kernels.sparse_attention import (
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 1e-2, jnp.float32: 1e-5}
 LSE_TOL = 1e-4
 SMALL_TUNING = dict(block_n=16, split_tokens=32)  # several splits and several steps per split
+# One split (>= every stream make_case builds: k_max*unit <= 160, max_pages*P <= 48 by
+# default): the direct-write path, several steps per program.
+DIRECT_TUNING = dict(block_n=16, split_tokens=256)
+TUNINGS = {"split": SMALL_TUNING, "direct": DIRECT_TUNING}
 
 
 def make_case(seed, *, batch=2, q_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=6,
@@ -148,6 +155,12 @@ def run(case, opts, backend, interpret=None, **tuning):
                                    **tuning)
 
 
+def kernel_path(case, opts, **tuning) -> str:
+    """'direct' (one split, no merge) or 'split': the kernel the call traces to."""
+    jaxpr = str(jax.make_jaxpr(lambda c: run(c, opts, "pallas", True, **tuning))(case))
+    return re.search(r"sparse_decode_\w+_unit\d+_(direct|split)", jaxpr).group(1)
+
+
 @pytest.mark.parametrize("groups,unit,dense,prior", [
     ("kv", "token", "none", False), ("shared", "page", "some", True),
     ("q", "block", "zero", True), ("kv", "block", "all", False), ("q", "token", "some", False),
@@ -167,35 +180,79 @@ CONFIGS = st.fixed_dictionaries(dict(
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
     heads=st.sampled_from([(8, 2), (4, 4), (16, 1)]),
     head_map=st.sampled_from(["random", "none"]),
+    path=st.sampled_from(["split", "direct"]),
+    prefetch=st.booleans(),
 ))
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=16, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=CONFIGS, seed=st.integers(0, 2**16),
        edge=st.sampled_from([1, 7, 8, 9, 47, 48]))
 def test_kernel_matches_reference(interpret, cfg, seed, edge):
     q_heads, kv_heads = cfg.pop("heads")
+    tuning = dict(TUNINGS[cfg.pop("path")], prefetch=cfg.pop("prefetch"))
     # One row at a page-boundary length (P = 8), the other random.
     case, opts = make_case(seed, q_heads=q_heads, kv_heads=kv_heads,
                            lengths=[edge, 1 + seed % 48], **cfg)
-    got = run(case, opts, "pallas", interpret, **SMALL_TUNING)
+    got = run(case, opts, "pallas", interpret, **tuning)
     want = sparse_decode_attention_reference(**case, **opts)
     assert_close(got, want, cfg["dtype"], cfg["prior"])
 
 
-@pytest.mark.parametrize("method,groups,unit,head_map,dense", [
-    ("kascade", "kv", "token", "random", "none"), ("delta", "shared", "page", "none", "none"),
-    ("lychee", "kv", "block", "none", "some"), ("quest", "q", "page", "none", "none"),
+@pytest.mark.parametrize("method,groups,unit,head_map,dense,path", [
+    ("kascade", "kv", "token", "random", "none", "direct"),
+    ("delta", "shared", "page", "none", "none", "direct"),
+    ("lychee", "kv", "block", "none", "some", "split"),
+    ("quest", "q", "page", "none", "none", "split"),
 ])
-def test_method_layouts(interpret, method, groups, unit, head_map, dense):
-    """The selection layouts of the methods, GQA group 4, bf16, with the RESA prior."""
+def test_method_layouts(interpret, method, groups, unit, head_map, dense, path):
+    """The selection layouts of the methods, GQA group 4, bf16, with the RESA prior (on the
+    path their benchmark shapes take by default)."""
     case, opts = make_case(20, groups=groups, unit=unit, head_map=head_map, dense=dense,
                            prior=True, dtype=jnp.bfloat16, lengths=[8, 47])
     want = sparse_decode_attention_reference(**case, **opts)
-    assert_close(run(case, opts, "pallas", interpret, **SMALL_TUNING), want, jnp.bfloat16,
+    assert_close(run(case, opts, "pallas", interpret, **TUNINGS[path]), want, jnp.bfloat16,
                  prior=True)
     assert_close(want, numpy_oracle(case, opts), jnp.bfloat16, prior=True)
+
+
+@pytest.mark.parametrize("unit,dtype", [
+    ("page", jnp.float32), ("page", jnp.bfloat16), ("block", jnp.float32),
+    ("block", jnp.bfloat16), ("token", jnp.bfloat16),
+])
+def test_direct_write_path(interpret, unit, dtype):
+    """One split per row group: out/lse (and the prior) written by the kernel, no merge.
+    Lengths on both sides of page boundaries (P = 8) and at the full span, random counts up
+    to every unit of the cache, so whole pages and cut last pages are read (the split path
+    of the same shapes is the hypothesis test's)."""
+    case, opts = make_case(21, batch=4, unit=unit, groups="kv", prior=True, dtype=dtype,
+                           lengths=[7, 8, 9, 48], k_max=40 if unit == "token" else 10)
+    assert kernel_path(case, opts, **DIRECT_TUNING) == "direct"
+    assert kernel_path(case, opts, **SMALL_TUNING) == "split"
+    got = run(case, opts, "pallas", interpret, **DIRECT_TUNING)
+    assert got.out.dtype == dtype and got.lse.dtype == jnp.float32
+    assert_close(got, numpy_oracle(case, opts), dtype, prior=True)
+
+
+def test_default_split_rule():
+    """The default tuning at the benchmark shapes (B=64, 8 KV heads, D=128): one split (the
+    direct path) when the row groups fill the GPU and the stream is short, else even splits
+    no longer than 2048 tokens; dense heads capped at 128 splits; always whole steps."""
+    def splits(row_groups, sparse, dense=0, head_dim=128):
+        t = _default_tuning(head_dim, row_groups, sparse, dense)
+        assert t["split_tokens"] % t["block_n"] == 0
+        return -(-max(sparse, dense) // t["split_tokens"]), t["split_tokens"]
+
+    assert splits(512, 64 * 16) == (1, 1024)  # DELTA: 64 pages of 16
+    assert splits(512, 819)[0] == 1  # Kascade 8k
+    n, split = splits(512, 3276)  # Kascade 32k: even pieces, no short last split
+    assert n > 1 and split * (n - 1) < 3276 <= split * n and 3276 - split * (n - 1) > split / 2
+    assert splits(512, 13107)[1] <= 2048  # Kascade 128k
+    assert splits(8, 819)[0] > 1  # a few row groups: split to fill the GPU anyway
+    assert splits(64, 13056, 131072)[0] <= 128  # Lychee with dense heads
+    assert splits(4, 100)[0] == 1  # tiny streams are not split below a step
+    assert _default_tuning(256, 512, 1024)["block_n"] == 32
 
 
 @pytest.mark.parametrize("unit", ["token", "page", "block"])
@@ -229,18 +286,20 @@ def test_default_tuning_and_auto_backend(interpret):
         np.testing.assert_array_equal(np.asarray(got.out), np.asarray(want.out))
 
 
-def test_empty_selection(interpret):
+@pytest.mark.parametrize("path", ["split", "direct"])
+def test_empty_selection(interpret, path):
     case, opts = make_case(5, prior=True, groups="q")
     case["count"] = jnp.zeros_like(case["count"])
     for backend in ("pallas", "reference"):
-        got = run(case, opts, backend, interpret, **SMALL_TUNING)
+        got = run(case, opts, backend, interpret, **TUNINGS[path])
         assert np.all(np.asarray(got.out) == 0) and np.all(np.asarray(got.lse) == -np.inf)
         assert np.all(np.asarray(got.prior[1]) == 0)
         assert np.all(np.asarray(got.prior[0]) == -np.inf)
 
 
+@pytest.mark.parametrize("path", ["split", "direct"])
 @pytest.mark.parametrize("corrupt", ["swap_kv", "wrong_head_map"])
-def test_negative_control_fails_metric(interpret, corrupt):
+def test_negative_control_fails_metric(interpret, corrupt, path):
     case, opts = make_case(6, budget=6, lengths=[48, 40])
     opts["head_map"] = jnp.asarray([0, 1], jnp.int32)
     want = numpy_oracle(case, opts)
@@ -248,7 +307,7 @@ def test_negative_control_fails_metric(interpret, corrupt):
         case["k_pages"], case["v_pages"] = case["v_pages"], case["k_pages"]
     else:
         opts["head_map"] = jnp.asarray([1, 0], jnp.int32)
-    got = run(case, opts, "pallas", interpret, **SMALL_TUNING)
+    got = run(case, opts, "pallas", interpret, **TUNINGS[path])
     assert max_row_rel_error(got.out, want.out) > 0.1
 
 
@@ -300,14 +359,39 @@ BF16_32x8 = dict(q_heads=32, kv_heads=8, head_dim=128, page_size=16, dtype=jnp.b
     ("shared", "block", "some", True, dict(q_heads=16, kv_heads=16, head_dim=256,
                                            page_size=128, max_pages=4, dtype=jnp.float32)),
 ])
-def test_lowers_for_cuda(groups, unit, dense, prior, shape):
+@pytest.mark.parametrize("path", ["split", "direct"])
+def test_lowers_for_cuda(groups, unit, dense, prior, shape, path):
+    """Every layout through the Triton lowering (which interpret mode skips) at the default
+    block_n, on both the split path (partials + merge) and the direct path (a grid of one
+    split, no merge)."""
     case, opts = make_case(7, batch=4, groups=groups, unit=unit, dense=dense, prior=prior,
-                           k_max=64, **{"max_pages": 32, **shape})
+                           k_max=128, **{"max_pages": 32, **shape})
+    _lower_and_check_grid(case, opts, dict(split_tokens=64 if path == "split" else 2**16), path)
+
+
+@pytest.mark.parametrize("groups,unit,dense,prior,path,tuning", [
+    ("kv", "token", "none", True, "direct", dict(block_n=32, prefetch=False)),
+    ("shared", "page", "some", False, "split", dict(block_n=128, num_warps=8, prefetch=False)),
+    ("q", "block", "none", True, "split", dict(block_n=32, num_stages=3)),
+    ("kv", "page", "some", True, "direct", dict(block_n=128, num_stages=3)),
+])
+def test_lowers_for_cuda_sweep_knobs(groups, unit, dense, prior, path, tuning):
+    """The other knobs the benchmark sweeps: block_n 32/128, no lookahead, warps, stages."""
+    case, opts = make_case(7, batch=4, groups=groups, unit=unit, dense=dense, prior=prior,
+                           k_max=64, max_pages=32, **BF16_32x8)
+    tuning = dict(tuning, split_tokens=128 if path == "split" else 2**16)
+    _lower_and_check_grid(case, opts, tuning, path)
+
+
+def _lower_and_check_grid(case, opts, tuning, path):
     names = list(case) + list(opts)[1:]
     fn = lambda *args: sparse_decode_attention(  # noqa: E731
-        **dict(zip(names, args)), unit=opts["unit"], backend="pallas", interpret=False)
+        **dict(zip(names, args)), unit=opts["unit"], backend="pallas", interpret=False,
+        **tuning)
     text = lower_for_cuda(fn, *case.values(), *list(opts.values())[1:])
-    assert "triton" in text
+    grid_y = [int(g) for g in re.findall(r"grid_y = (\d+)", text)]
+    assert len(grid_y) == 1, "one Triton kernel per call"
+    assert (grid_y[0] == 1) == (path == "direct")
 
 
 def _bad(name, fn):
@@ -338,6 +422,7 @@ def _bad(name, fn):
     _bad("tuning", lambda c, o: o.update(blockn=32)),
     _bad("block_n", lambda c, o: o.update(block_n=24)),
     _bad("split_tokens", lambda c, o: o.update(split_tokens=40, block_n=16)),
+    _bad("prefetch", lambda c, o: o.update(prefetch=1)),
     _bad("backend", lambda c, o: o.update(backend="cuda")),
 ])
 def test_bad_inputs(mutate, match):
