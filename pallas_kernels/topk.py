@@ -227,7 +227,8 @@ def _default_tuning(n: int, k: int, tuning: dict) -> dict:
     out = dict(block_rows=1, block_n=min(n_pow2, 32768), block_sel=min(n_pow2, 4096),
                block_k=min(common.next_power_of_2(k), 1024), num_stages=1)
     out.update(tuning)
-    out.setdefault("num_warps", max(4, min(16, out["block_rows"] * out["block_n"] // 1024)))
+    # H200 sweep (benchmarks/results/topk.json): 4 warps per 8k columns, 16 at 32k
+    out.setdefault("num_warps", max(4, min(16, out["block_rows"] * out["block_n"] // 2048)))
     for name in ("block_rows", "block_n", "block_sel", "block_k"):
         value = out[name]
         if not isinstance(value, int) or value < 1 or value & (value - 1):
