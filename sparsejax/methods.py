@@ -122,13 +122,15 @@ class Dense:
 class OracleTopK:
     """Every layer attends to the top-k of its own exact attention, per query head: the
     accuracy ceiling for a given budget (it still computes dense attention to know it)."""
-    ratio: float | None = 0.1
+    ratio: float | None = None   # 0.1 when neither ratio nor k is given
     k: int | None = None
     min_k: int = 0
 
     def __post_init__(self):
-        if (self.ratio is None) == (self.k is None):
-            raise ValueError(f"OracleTopK: give exactly one of ratio={self.ratio} and k={self.k}")
+        if self.ratio is not None and self.k is not None:
+            raise ValueError(f"OracleTopK: give one of ratio={self.ratio} and k={self.k}")
+        if self.ratio is None and self.k is None:
+            object.__setattr__(self, "ratio", 0.1)
         _positive("OracleTopK k" if self.k is not None else "OracleTopK ratio",
                   self.k if self.k is not None else self.ratio)
 

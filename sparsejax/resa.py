@@ -61,11 +61,14 @@ def log1mexp(x: jax.Array) -> jax.Array:
     return jnp.where(x > -0.6931471805599453, jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
 
 
-def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial, prior: Prior):
+def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial, prior: Prior,
+          complete: jax.Array | None = None):
     """RESA output [B, HQ, D] f32 from the sparse attention and the kernel's prior partial.
 
     partial = (lse_I [B, HQ], o_I [B, HQ, D]): mu_q's log-sum-exp and softmax-weighted values
-    over the selected prompt keys.
+    over the selected prompt keys. complete [B, HQ] bool: the selection holds every prompt key
+    (an exact count). Then x = 0 exactly: computed in floating point it would land a rounding
+    error below 0, and e^{A - lse'} <= 1 / (1 - e^x) would amplify that into the output.
     """
     lse_i, o_i = partial
     d = q.shape[-1]
@@ -73,14 +76,18 @@ def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial,
     mu_k = jnp.repeat(prior.mu_k, group, axis=1)
     b = jnp.sum((q.astype(jnp.float32) - prior.mu_q) * mu_k, axis=-1) / jnp.sqrt(jnp.float32(d))
     x = jnp.minimum(lse_i - prior.lse, 0.0)
+    if complete is not None:
+        x = jnp.where(complete, 0.0, x)
     a = jnp.log(jnp.float32(residual.lam)) + b + prior.lse
     lse_rest = a + log1mexp(x)
     lse_new = jnp.logaddexp(lse_sa, lse_rest)
-    w_rest = jnp.exp(a - lse_new)[..., None]
+    # No unselected mass (lambda = 0, or a complete selection): the residual adds nothing,
+    # not the rounding noise left in o_est - o_I.
+    w_rest = jnp.where(jnp.isfinite(lse_rest), jnp.exp(a - lse_new), 0.0)[..., None]
     w_sa = jnp.exp(lse_sa - lse_new)[..., None]
     # e^x o_I is 0 when nothing selected lies in the prompt (x = -inf, o_I = 0)
     rest = prior.o_est - jnp.where(jnp.isfinite(x), jnp.exp(x), 0.0)[..., None] * o_i
-    return jnp.where(w_rest > 0, w_rest * rest, 0.0) + w_sa * out_sa.astype(jnp.float32)
+    return w_rest * rest + w_sa * out_sa.astype(jnp.float32)
 
 
 def fold_token(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array) -> Prior:

@@ -12,6 +12,7 @@ from sparsejax import resa
 from sparsejax.cache import PagedKVCache
 from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
+from sparsejax.pallas_kernels.common import group_of_head
 from sparsejax.pallas_kernels import (fixed_budget, paged_decode_attention, ratio_budget,
                                       threshold_budget, top_p_budget, topk_select)
 from sparsejax.plan import Selection, Selector, SparsePlan
@@ -32,10 +33,18 @@ def max_units(capacity: int, unit: int) -> int:
     return -(-capacity // unit)
 
 
+def forced_units(s: Selector, n_units: int) -> tuple[int, int]:
+    """(force_first, force_last) in units; windows that together span the whole capacity
+    become one window over everything."""
+    if s.force_first + s.force_last >= n_units:
+        return 0, n_units
+    return s.force_first, s.force_last
+
+
 def buffer_size(s: Selector, capacity: int) -> int:
     """Static selection slots: the budget's buffer, never fewer than the forced units."""
     n = max_units(capacity, s.unit)
-    return min(max(s.budget.buffer_size(n), s.force_first + s.force_last, 1), n)
+    return min(max(s.budget.buffer_size(n), sum(forced_units(s, n)), 1), n)
 
 
 def empty_selection(plan: SparsePlan, config: ModelConfig, batch: int, capacity: int) -> Selection:
@@ -91,8 +100,9 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, leng
     valid = jnp.repeat(valid_units, G).astype(jnp.int32)
     k = buffer_size(s, capacity)
     k_row = budget_rows(s, rows, valid, k)
-    chosen = topk_select(rows, k, valid=valid, k_row=k_row, force_first=s.force_first,
-                         force_last=s.force_last)
+    force_first, force_last = forced_units(s, n_units)
+    chosen = topk_select(rows, k, valid=valid, k_row=k_row, force_first=force_first,
+                         force_last=force_last)
     return Selection(indices=chosen.indices.reshape(B, G, k), count=chosen.count.reshape(B, G))
 
 
@@ -109,6 +119,17 @@ def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.A
     else:
         k_row = threshold_budget(rows, b.value, valid, logits=logits)
     return jnp.minimum(k_row, k).astype(jnp.int32)
+
+
+def covered_positions(sel: Selection, unit: int, limit: jax.Array, num_heads: int,
+                      num_kv_heads: int, head_map=None) -> jax.Array:
+    """Positions below `limit` [B] each query head's selection covers -> [B, HQ] int32.
+    Exact integer counts (RESA uses them to recognise a selection covering the whole prompt)."""
+    live = jnp.arange(sel.indices.shape[-1]) < sel.count[..., None]
+    start = sel.indices * unit
+    span = jnp.clip(jnp.minimum(start + unit, limit[:, None, None]) - start, 0, unit)
+    per_group = jnp.sum(jnp.where(live & (sel.indices >= 0), span, 0), axis=-1)    # [B, G]
+    return per_group[:, group_of_head(sel.indices.shape[1], num_heads, num_kv_heads, head_map)]
 
 
 # ---- scores computed before attention (SELF layers) -----------------------------------------

@@ -23,6 +23,7 @@ from sparsejax.cache import PagedKVCache, layer_pages, token_address, write_toke
 from sparsejax.models import Model, attention_inputs, finish_layer
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
+from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Role, Selection, SparsePlan
 
 
@@ -98,89 +99,97 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
     h = finish_layer(c, lp, carry.h, out)
     diag = None
     if diagnostics:
-        unit = plan.selector.unit if plan.selector is not None else 1
-        diag = _diagnostics(q, k_flat, v_flat, table, ctx.lengths, out, attended, unit)
+        diag = _diagnostics(plan, q, k_flat, v_flat, table, ctx.lengths, out, attended, sel)
     return Carry(h, k_flat, v_flat, sel, state), diag
 
 
+class Attended(NamedTuple):
+    """What a layer's heads attended to: `sel` through `head_map`, except `dense_heads`."""
+    sel: Selection
+    head_map: jax.Array | None
+    dense_heads: jax.Array | None
+
+
 def _attend(*, role, plan, config, q, k_pages, v_pages, table, lengths, layer, ctx, state, sel):
-    """One layer's attention by role. Returns (out [B, HQ, D], selection, attended) where
-    `attended` describes what each head attended to (for diagnostics): None means everything."""
+    """One layer's attention by role -> (out [B, HQ, D], carried selection, Attended or None
+    when every head attended densely)."""
     s = plan.selector
     if role == Role.DENSE:
-        out = paged_decode_attention(q, k_pages, v_pages, table, lengths).out
-        return out, sel, None
+        return paged_decode_attention(q, k_pages, v_pages, table, lengths).out, sel, None
     if role == Role.SELECT:
         r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
                                    score=selection.kernel_score(s))
-        sel = selection.select(plan, config, r.scores, lengths, ctx.capacity)
-        return r.out, sel, None
+        return r.out, selection.select(plan, config, r.scores, lengths, ctx.capacity), None
+    head_map = ctx.head_map[layer] if s.groups == "kv" else None
+    dense_heads = None
+    dense_out = None
     if role == Role.SELF:
         scores = selection.pre_attention_scores(plan, q, k_pages, v_pages, table, lengths,
                                                 layer, state, ctx.page_table)
         sel = selection.select(plan, config, scores, lengths, ctx.capacity)
-    head_map = ctx.head_map[layer] if s.groups == "kv" else None
-    if role == Role.HYBRID:
-        return _hybrid(plan, config, q, k_pages, v_pages, table, lengths, layer, ctx, state,
-                       sel, head_map)
+    elif role == Role.HYBRID:
+        # Retrieval heads attend densely (only their KV heads are computed) and choose their
+        # group's next selection; sparse heads reuse the latest selection of their index.
+        dense_heads = ctx.retrieval[layer]
+        r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
+                                   score=selection.kernel_score(s), kv_heads=dense_heads)
+        fresh = selection.select(plan, config, r.scores, lengths, ctx.capacity)
+        sel = Selection(indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
+                        count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
+        dense_out = r.out
     out = _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map)
-    return out, sel, (sel, head_map, None)
+    if dense_out is not None:
+        group = q.shape[1] // k_pages.shape[1]
+        out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
+    return out, sel, Attended(sel, head_map, dense_heads)
 
 
-def _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map,
-            dense_heads=None):
+def _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map):
     """Sparse attention over `sel` (+ RESA's residual when the plan has one)."""
     prior = resa.layer_prior(state, layer) if plan.residual is not None else None
     r = sparse_decode_attention(
         q, k_pages, v_pages, table, lengths, sel.indices, sel.count, unit=plan.selector.unit,
-        head_map=head_map, dense_heads=dense_heads,
+        head_map=head_map,
         prior_query=None if prior is None else prior.mu_q.astype(q.dtype),
         prior_length=None if prior is None else resa.prior_length(plan, prior, lengths))
     if prior is None:
         return r.out
-    merged = resa.merge(plan.residual, q, r.out, r.lse, r.prior, prior)
-    if dense_heads is not None:  # dense (retrieval) heads keep their exact output
-        group = q.shape[1] // k_pages.shape[1]
-        merged = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], r.out, merged)
-    return merged.astype(q.dtype)
-
-
-def _hybrid(plan, config, q, k_pages, v_pages, table, lengths, layer, ctx, state, sel, head_map):
-    """Lychee: retrieval heads attend densely and choose their group's next selection; sparse
-    heads reuse the latest selection of their head index."""
-    retrieval = ctx.retrieval[layer]                                  # [HK]
-    r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
-                               score=selection.kernel_score(plan.selector), kv_heads=retrieval)
-    fresh = selection.select(plan, config, r.scores, lengths, ctx.capacity)
-    keep = retrieval[None, :, None]
-    sel = Selection(indices=jnp.where(keep, fresh.indices, sel.indices),
-                    count=jnp.where(retrieval[None, :], fresh.count, sel.count))
-    out = _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map,
-                  dense_heads=retrieval)
-    return out, sel, (sel, head_map, retrieval)
+    prior_len = resa.prior_length(plan, prior, lengths)
+    covered = selection.covered_positions(sel, plan.selector.unit, prior_len, q.shape[1],
+                                          k_pages.shape[1], head_map)
+    return resa.merge(plan.residual, q, r.out, r.lse, r.prior, prior,
+                      complete=covered >= prior_len[:, None]).astype(q.dtype)
 
 
 # ---- diagnostics ----------------------------------------------------------------------------
-def _diagnostics(q, k_pages, v_pages, table, lengths, out, attended, unit):
-    """Recall (dense attention mass inside what each head attended to) and the relative L2
-    error of the layer's attention output against dense attention, averaged over heads."""
-    from sparsejax.pallas_kernels.sparse_attention import attended_mask
-
+def _diagnostics(plan, q, k_pages, v_pages, table, lengths, out, attended, carried):
+    """Per row (averaged over query heads): recall = dense attention mass inside what each
+    head attended to; oracle_recall = the most mass any set of the same size could hold (the
+    top-|S| probabilities); attn_error = relative L2 error of the layer's attention output
+    against dense attention. Also the layer's query and selection, for inspection."""
     dense = paged_decode_attention(q, k_pages, v_pages, table, lengths, score="head_probs",
                                    backend="reference")
+    probs = jnp.where(jnp.isfinite(dense.scores), dense.scores, 0.0)          # [B, HQ, T]
     ref = dense.out.astype(jnp.float32)
     err = jnp.linalg.norm(out.astype(jnp.float32) - ref, axis=-1) / jnp.maximum(
         jnp.linalg.norm(ref, axis=-1), 1e-30)
     if attended is None:
-        recall = jnp.ones(q.shape[:2], jnp.float32)
+        recall = oracle = jnp.ones(q.shape[:2], jnp.float32)
+        sel = carried
     else:
-        sel, head_map, dense_heads = attended
-        mask = attended_mask(sel.indices, sel.count, lengths, num_positions=dense.scores.shape[-1],
+        sel = attended.sel
+        mask = attended_mask(sel.indices, sel.count, lengths, num_positions=probs.shape[-1],
                              num_heads=q.shape[1], num_kv_heads=k_pages.shape[1],
-                             unit=unit, head_map=head_map,
-                             dense_heads=dense_heads)
-        recall = jnp.sum(jnp.where(mask, dense.scores, 0.0), axis=-1)
-    return {"recall": jnp.mean(recall, axis=-1), "attn_error": jnp.mean(err, axis=-1)}
+                             unit=plan.selector.unit, head_map=attended.head_map,
+                             dense_heads=attended.dense_heads)
+        recall = jnp.sum(jnp.where(mask, probs, 0.0), axis=-1)
+        size = jnp.sum(mask, axis=-1)
+        top = jnp.cumsum(-jnp.sort(-probs, axis=-1), axis=-1)
+        oracle = jnp.take_along_axis(top, jnp.maximum(size - 1, 0)[..., None], axis=-1)[..., 0]
+        oracle = jnp.where(size > 0, oracle, 0.0)
+    return {"recall": jnp.mean(recall, axis=-1), "oracle_recall": jnp.mean(oracle, axis=-1),
+            "attn_error": jnp.mean(err, axis=-1), "query": q,
+            "indices": sel.indices, "count": sel.count}
 
 
 def prefill_state(model: Model, cache: PagedKVCache, out: ForwardOutput, plan: SparsePlan):

@@ -1,0 +1,302 @@
+"""The method framework: every method through generate(), and each selection rule against an
+independent numpy implementation on the same queries and keys."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax
+from sparsejax import cache as kv
+from sparsejax import methods as M
+from sparsejax.models import ModelConfig, init_params
+from sparsejax.plan import Role
+
+CFG = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
+                  num_kv_heads=2, head_dim=16, intermediate_size=96)
+LENGTHS = np.array([150, 200, 93], np.int32)
+HEAD_MAP = np.array([[0, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]])
+RETRIEVAL = np.array([[1, 1], [0, 1], [1, 0], [0, 0], [0, 1], [1, 0]], bool)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return sparsejax.Model(CFG, init_params(CFG, jax.random.key(0), std=0.1))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    ids = np.zeros((3, LENGTHS.max()), np.int32)
+    for i, n in enumerate(LENGTHS):
+        ids[i, :n] = rng.integers(0, CFG.vocab_size, n)
+    return ids
+
+
+def full_budget_methods(page_size: int, capacity: int):
+    """Each method with a budget that covers the whole context."""
+    return {
+        "oracle": M.OracleTopK(ratio=1.0),
+        "streaming": M.StreamingLLM(sinks=4, window=capacity),
+        "quest": M.Quest(page_size=page_size, token_budget=capacity),
+        "tidal": M.TidalDecode(select_layers=(2, 4), k=capacity),
+        "delta": M.DELTA(delta_layers=(2, 4), page_size=page_size,
+                         budget_pages=math.ceil(capacity / page_size), recent_pages=1),
+        "kascade": M.Kascade(anchor_layers=(0, 3), ratio=1.0, head_map=HEAD_MAP),
+        "lychee": M.Lychee(RETRIEVAL, budget=M.TopK(capacity), sinks=4, recent=8),
+        "lychee-blocks": M.Lychee(RETRIEVAL, budget=M.TopK(capacity), block=2 * page_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(model, prompts):
+    return {p: np.asarray(sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=5,
+                                             page_size=p).tokens) for p in (16, 64)}
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("name", list(full_budget_methods(16, 1)))
+def test_full_budget_equals_dense(model, prompts, dense_tokens, name, page_size):
+    method = full_budget_methods(page_size, 256)[name]
+    out = sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=5, method=method,
+                             page_size=page_size, return_diagnostics=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), dense_tokens[page_size])
+    np.testing.assert_allclose(np.asarray(out.diagnostics["recall"]), 1.0, atol=1e-5)
+    assert float(np.max(out.diagnostics["attn_error"])) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["delta", "kascade", "lychee", "quest"])
+def test_full_budget_with_resa_equals_dense(model, prompts, dense_tokens, name):
+    """A selection covering everything leaves nothing for the residual: RESA (λ = 1) is dense
+    exactly (log1mexp(0) = -inf, no clamp)."""
+    method = M.RESA(full_budget_methods(16, 256)[name], lam=1.0)
+    out = sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=5, method=method,
+                             page_size=16, return_diagnostics=True)
+    np.testing.assert_array_equal(np.asarray(out.tokens), dense_tokens[16])
+    assert float(np.max(out.diagnostics["attn_error"])) < 1e-4
+
+
+# ---- one decode step's selection vs numpy ------------------------------------------------------
+def one_step(model, prompts, method, page_size=16):
+    """Prefill + one decode step with diagnostics. Returns (plan, diag as numpy, keys) where
+    keys[l] [B, T, HK, D] are layer l's cached keys in logical order after the step."""
+    plan = method.to_plan(CFG, None)
+    capacity = int(LENGTHS.max()) + 8
+    cache = kv.allocate(CFG, 3, capacity, page_size=plan.page_size, dtype=jnp.float32)
+    perm = np.random.default_rng(7).permutation(cache.num_pages).astype(np.int32)
+    cache = cache.replace(page_table=jnp.asarray(perm.reshape(cache.page_table.shape)))
+    logits, cache = sparsejax.prefill(model, cache, prompts, LENGTHS, plan)
+    first = jnp.argmax(logits, -1).astype(jnp.int32)
+    _, cache, diag = sparsejax.decode_step(model, cache, first, plan, diagnostics=True)
+    P = plan.page_size
+    T = cache.capacity
+    pos = np.arange(T)
+    table = np.asarray(cache.page_table)
+    k = np.asarray(cache.k, np.float64)                       # [L, NP, HK, P, D]
+    keys = k[:, table[:, pos // P], :, pos % P]               # [B, T, L, HK, D]
+    keys = np.transpose(keys, (2, 0, 1, 3, 4))                # [L, B, T, HK, D]
+    return plan, jax.tree.map(np.asarray, diag), keys
+
+
+def probs(q, keys, length):
+    """Per query head softmax over the row's valid keys (float64). q [HQ, D], keys [T, HK, D]."""
+    g = CFG.num_heads // CFG.num_kv_heads
+    k = np.repeat(keys[:length], g, axis=1)                  # [t, HQ, D]
+    s = np.einsum("hd,thd->ht", q.astype(np.float64), k) / math.sqrt(CFG.head_dim)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True), s
+
+
+def np_select(scores, budget, valid, force_first=0, force_last=0):
+    """Forced units first, then the highest scores (ties: lower index); sorted ascending."""
+    if valid <= budget:
+        return list(range(valid))
+    forced = set(range(min(force_first, valid))) | set(range(max(valid - force_last, 0), valid))
+    rest = sorted((i for i in range(valid) if i not in forced), key=lambda i: (-scores[i], i))
+    return sorted(forced | set(rest[:max(budget - len(forced), 0)]))
+
+
+def selected(diag, layer, row, group):
+    n = diag["count"][layer, row, group]
+    return list(diag["indices"][layer, row, group, :n])
+
+
+def test_delta_pages(model, prompts):
+    method = M.DELTA(delta_layers=(2, 4), budget_pages=4, recent_pages=1)
+    plan, diag, keys = one_step(model, prompts, method)
+    length = LENGTHS + 1
+    for layer in (2, 4):      # Δ-layer l selects; layer l + 1 attends to it
+        for b in range(3):
+            p, _ = probs(diag["query"][layer, b], keys[layer, b], length[b])
+            token = p.max(0)
+            pages = np.add.reduceat(token, np.arange(0, length[b], 16))
+            want = np_select(pages, 4, len(pages), force_last=1)
+            assert selected(diag, layer + 1, b, 0) == want
+
+
+def test_kascade_tokens_per_kv_head_with_head_map(model, prompts):
+    method = M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=20, head_map=HEAD_MAP)
+    plan, diag, keys = one_step(model, prompts, method)
+    length = LENGTHS + 1
+    g = CFG.num_heads // CFG.num_kv_heads
+    for anchor, reuse in ((0, 1), (3, 4)):
+        for b in range(3):
+            p, _ = probs(diag["query"][anchor, b], keys[anchor, b], length[b])
+            budget = min(max(int(0.1 * length[b]), 20), length[b])
+            sets = []
+            for h in range(CFG.num_kv_heads):
+                want = np_select(p[h * g:(h + 1) * g].sum(0), budget, length[b])
+                assert selected(diag, reuse, b, h) == want
+                sets.append(want)
+            # the reuse layer's KV head h attends to the set of anchor head head_map[reuse, h]
+            q_probs, _ = probs(diag["query"][reuse, b], keys[reuse, b], length[b])
+            recall = np.mean([q_probs[i, sets[HEAD_MAP[reuse, i // g]]].sum()
+                              for i in range(CFG.num_heads)])
+            np.testing.assert_allclose(diag["recall"][reuse, b], recall, rtol=1e-5)
+
+
+def test_lychee_inherits_per_head_index(model, prompts):
+    method = M.Lychee(RETRIEVAL, budget=M.TopK(24), sinks=4, recent=8)
+    plan, diag, keys = one_step(model, prompts, method)
+    length = LENGTHS + 1
+    g = CFG.num_heads // CFG.num_kv_heads
+    retrieval = RETRIEVAL.copy()
+    retrieval[0] = True
+    for layer in range(1, CFG.num_layers):
+        for h in range(CFG.num_kv_heads):
+            if retrieval[layer, h]:
+                continue
+            source = max(l for l in range(layer) if retrieval[l, h])
+            for b in range(3):
+                _, logits = probs(diag["query"][source, b], keys[source, b], length[b])
+                mean_logit = logits[h * g:(h + 1) * g].mean(0)
+                want = np_select(mean_logit, 24, length[b], force_first=4, force_last=8)
+                assert selected(diag, layer, b, h) == want, (layer, h, b, source)
+
+
+def test_quest_page_bound_per_query_head(model, prompts):
+    method = M.Quest(token_budget=48, dense_layers=2)
+    plan, diag, keys = one_step(model, prompts, method)
+    length = LENGTHS + 1
+    g = CFG.num_heads // CFG.num_kv_heads
+    for layer in range(2, CFG.num_layers):
+        for b in range(3):
+            k = keys[layer, b, :length[b]]
+            pages = [k[i:i + 16] for i in range(0, length[b], 16)]
+            q = diag["query"][layer, b].astype(np.float64)
+            for i in range(CFG.num_heads):
+                bound = [np.sum(np.maximum(q[i] * pg[:, i // g].max(0), q[i] * pg[:, i // g].min(0)))
+                         for pg in pages]
+                assert selected(diag, layer, b, i) == np_select(bound, 3, len(pages))
+
+
+def test_tidal_top_k_per_query_head(model, prompts):
+    method = M.TidalDecode(select_layers=(2, 4), k=30)
+    plan, diag, keys = one_step(model, prompts, method)
+    length = LENGTHS + 1
+    for layer in (2, 4):
+        for b in range(3):
+            p, _ = probs(diag["query"][layer, b], keys[layer, b], length[b])
+            for i in range(CFG.num_heads):
+                assert selected(diag, layer + 1, b, i) == np_select(p[i], 30, length[b])
+
+
+def test_oracle_and_streaming(model, prompts):
+    _, diag, keys = one_step(model, prompts, M.OracleTopK(k=25))
+    length = LENGTHS + 1
+    for layer in range(CFG.num_layers):
+        p, _ = probs(diag["query"][layer, 1], keys[layer, 1], length[1])
+        for i in range(CFG.num_heads):
+            assert selected(diag, layer, 1, i) == np_select(p[i], 25, length[1])
+    _, diag, _ = one_step(model, prompts, M.StreamingLLM(sinks=3, window=20))
+    for b in range(3):
+        want = list(range(3)) + list(range(length[b] - 20, length[b]))
+        for layer in range(CFG.num_layers):
+            assert selected(diag, layer, b, 0) == want
+
+
+# ---- small budgets ----------------------------------------------------------------------------
+def small_budget_methods():
+    return {
+        "oracle": M.OracleTopK(k=24), "streaming": M.StreamingLLM(sinks=4, window=20),
+        "quest": M.Quest(token_budget=32), "tidal": M.TidalDecode(select_layers=(2, 4), k=24),
+        "delta": M.DELTA(delta_layers=(2, 4), budget_pages=2, recent_pages=1),
+        "kascade": M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=0, head_map=HEAD_MAP),
+        "lychee": M.Lychee(RETRIEVAL, budget=M.TopK(24), sinks=4, recent=4),
+        "lychee-ratio": M.Lychee(RETRIEVAL, budget=M.Ratio(0.1), sinks=2, recent=4),
+        "lychee-top-p": M.Lychee(RETRIEVAL, budget=M.TopP(0.5), sinks=2, recent=4),
+        "lychee-threshold": M.Lychee(RETRIEVAL, budget=M.Threshold(0.01), sinks=2, recent=4),
+    }
+
+
+@pytest.mark.parametrize("name", list(small_budget_methods()))
+def test_small_budgets_finite_and_bounded_by_the_oracle(model, prompts, name):
+    method = small_budget_methods()[name]
+    plan = method.to_plan(CFG, None)
+    cache = kv.allocate(CFG, 3, int(LENGTHS.max()) + 4, page_size=plan.page_size,
+                        dtype=jnp.float32)
+    logits, cache = sparsejax.prefill(model, cache, prompts, LENGTHS, plan)
+    logits, cache, diag = sparsejax.decode_step(model, cache, jnp.argmax(logits, -1), plan,
+                                                diagnostics=True)
+    assert np.isfinite(np.asarray(logits)).all()
+    recall, oracle = np.asarray(diag["recall"]), np.asarray(diag["oracle_recall"])
+    assert (recall > 0).all() and (recall <= 1 + 1e-6).all()
+    assert (recall <= oracle + 1e-6).all()       # no set of the same size holds more mass
+    sparse_layers = [i for i, r in enumerate(plan.roles) if r not in (Role.DENSE, Role.SELECT)]
+    assert (recall[sparse_layers] < 1 - 1e-6).any()
+    if name == "oracle":
+        np.testing.assert_allclose(recall, oracle, atol=1e-6)
+
+
+# ---- plans, compiles and errors ---------------------------------------------------------------
+def test_roles():
+    assert M.DELTA().to_plan(ModelConfig("llama", 11, 8, 28, 2, 1, 4, 8)).roles == (
+        (Role.DENSE,) * 2 + (Role.SELECT,) + (Role.REUSE,) * 11 + (Role.SELECT,) +
+        (Role.REUSE,) * 7 + (Role.SELECT,) + (Role.REUSE,) * 5)
+    lychee = M.Lychee(RETRIEVAL).to_plan(CFG)
+    assert lychee.roles == (Role.SELECT, Role.HYBRID, Role.HYBRID, Role.REUSE, Role.HYBRID,
+                            Role.HYBRID)
+    assert M.Quest(dense_layers=2).to_plan(CFG).roles == (Role.DENSE,) * 2 + (Role.SELF,) * 4
+
+
+def test_one_compile_per_plan_and_shapes(model, prompts):
+    from sparsejax.generate import _generate
+
+    method = M.DELTA(delta_layers=(2, 4), budget_pages=2, recent_pages=1)
+    sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=3, method=method)
+    before = _generate._cache_size()
+    sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=3, method=method)
+    sparsejax.generate(model, prompts, lengths=LENGTHS - 1, max_new_tokens=3,
+                       method=M.DELTA(delta_layers=(2, 4), budget_pages=2, recent_pages=1))
+    assert _generate._cache_size() == before
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: M.DELTA(delta_layers=(2, 9)), r"delta_layers=\(2, 9\).*\[9\] are out of range"),
+    (lambda: M.TidalDecode(select_layers=(-1,)), r"select_layers.*out of range"),
+    (lambda: M.Kascade(anchor_layers=(0, 6)), r"anchor_layers.*\[6\] are out of range"),
+    (lambda: M.Kascade(anchor_layers=(2, 3)), "layer 0 must be an anchor"),
+    (lambda: M.DELTA(budget_pages=0), "budget_pages=0"),
+    (lambda: M.Quest(token_budget=-4), "token_budget=-4"),
+    (lambda: M.TidalDecode(k=0), "k=0"),
+    (lambda: M.Lychee(RETRIEVAL, budget=M.TopK(0)), r"TopK\(k=0\)"),
+    (lambda: M.Lychee(RETRIEVAL, budget=M.Ratio(0.0)), "ratio=0.0"),
+    (lambda: M.Kascade((0, 3), head_map=np.zeros((6, 3), int)), r"head_map has shape \(6, 3\)"),
+    (lambda: M.Kascade((0, 3), head_map=np.zeros((6,), int)), r"head_map has shape \(6,\)"),
+    (lambda: M.Kascade(anchor_layers=(0,), head_map=np.full((6, 2), 2)), "KV head indices"),
+    (lambda: M.Lychee(np.ones((5, 2), bool)), r"retrieval_heads has shape \(5, 2\)"),
+    (lambda: M.Lychee(np.ones((6,), bool)), r"retrieval_heads has shape \(6,\)"),
+    (lambda: M.Lychee(RETRIEVAL, block=24), "multiple of page_size=16"),
+])
+def test_bad_method_arguments(make, match):
+    with pytest.raises(ValueError, match=match):
+        make().to_plan(CFG, None)
+
+
+def test_page_selecting_methods_fix_the_page_size(model, prompts):
+    for method in (M.DELTA(delta_layers=(2,)), M.Quest()):
+        with pytest.raises(ValueError, match="page_size=32 disagrees"):
+            sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=2, method=method,
+                               page_size=32)
+    assert M.DELTA(page_size=32, delta_layers=(2,)).to_plan(CFG, None).page_size == 32
