@@ -1,0 +1,249 @@
+"""One decode step of a whole model (random weights) at DS-R1-Distill-Qwen-1.5B shapes.
+
+    python benchmarks/bench_decode_step.py            # GPU: every method + the HF peer
+    python benchmarks/bench_decode_step.py --smoke    # CPU: a tiny config, logic only
+
+B=64, contexts 4k and 16k, bf16: Dense, DELTA (defaults), RESA(DELTA), Kascade (5 anchors),
+Lychee (4 of 56 heads retrieval incl. layer 0's two, TopK(1024)). The cache is filled with
+random K/V (a decode step's cost does not depend on what the keys say) and donated, so each
+timed step updates it in place. Peer: HF transformers (PyTorch, SDPA, static cache, eager)
+doing one decode step of the same random-weight Qwen2 model, in its own process.
+Floor: the bytes a dense step must read (weights + the K/V of every layer) / 4.8 TB/s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import harness
+
+QWEN_1_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28,
+                 num_heads=12, num_kv_heads=2, head_dim=128, intermediate_size=8960,
+                 rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True)
+TINY = dict(QWEN_1_5B, vocab_size=512, hidden_size=128, num_layers=6, num_heads=4,
+            intermediate_size=256, head_dim=64)
+
+
+def methods_for(config):
+    from sparsejax import methods as M
+
+    retrieval = np.zeros((config.num_layers, config.num_kv_heads), bool)
+    retrieval[0] = True
+    retrieval[config.num_layers // 2, 0] = retrieval[3 * config.num_layers // 4, 1] = True
+    small = config.num_layers < 28
+    delta = M.DELTA().scaled_to(config.num_layers) if small else M.DELTA()
+    kascade = M.Kascade().scaled_to(config.num_layers) if small else M.Kascade()
+    return {"dense": M.Dense(), "delta": delta, "delta+resa": M.RESA(delta), "kascade": kascade,
+            "lychee": M.Lychee(retrieval, budget=M.TopK(1024))}
+
+
+def random_cache(config, plan, batch, context, steps, key):
+    """A cache holding `context` random tokens per row (and random RESA priors if needed)."""
+    from sparsejax import cache as kv
+    from sparsejax.resa import Prior
+
+    c = kv.allocate(config, batch, context + steps, page_size=plan.page_size, dtype=jnp.bfloat16)
+    kk, kv_, kp = jax.random.split(key, 3)
+    c = c.replace(k=jax.random.normal(kk, c.k.shape, jnp.bfloat16),
+                  v=jax.random.normal(kv_, c.v.shape, jnp.bfloat16),
+                  lengths=jnp.full((batch,), context, jnp.int32))
+    if plan.residual is not None:
+        L, HQ, HK, D = config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
+        ks = jax.random.split(kp, 4)
+        c = c.replace(state={"prior": Prior(
+            mu_q=jax.random.normal(ks[0], (L, batch, HQ, D)),
+            mu_k=jax.random.normal(ks[1], (L, batch, HK, D)),
+            lse=10 + jax.random.normal(ks[2], (L, batch, HQ)),
+            o_est=jax.random.normal(ks[3], (L, batch, HQ, D)),
+            length=jnp.full((L, batch), context, jnp.int32))})
+    return c
+
+
+def time_steps(model, plan, cache, tokens, *, calls, repeats):
+    """Median ms per decode step; the cache is donated and carried from step to step."""
+    import sparsejax
+
+    step = jax.jit(sparsejax.decode_step, static_argnames="plan", donate_argnums=1)
+    for _ in range(2):
+        logits, cache = step(model, cache, tokens, plan=plan)
+    jax.block_until_ready(logits)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            logits, cache = step(model, cache, tokens, plan=plan)
+        jax.block_until_ready(logits)
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return float(np.median(samples))
+
+
+def check_against_references(model, config, batch=4, context=2048):
+    """The whole decode step on the Pallas kernels vs the same step traced on the references:
+    relative L2 error of the logits per method. In f32 (the kernels' f32 dots are IEEE), so a
+    real kernel difference stands far above rounding."""
+    import sparsejax
+    from sparsejax.models.decoder import cast_params
+    from sparsejax.pallas_kernels.common import use_backend
+
+    model = model.replace(params=cast_params(model.params, jnp.float32))
+    errors = {}
+    for name, method in methods_for(config).items():
+        plan = method.to_plan(config, None)
+        cache = random_cache(config, plan, batch, context, 4, jax.random.key(2))
+        cache = cache.replace(k=cache.k.astype(jnp.float32), v=cache.v.astype(jnp.float32))
+        tokens = jnp.arange(batch, dtype=jnp.int32)
+        step = lambda m, c, t: sparsejax.decode_step(m, c, t, plan)[0]  # noqa: E731
+        fast = jax.jit(step)(model, cache, tokens)
+        with use_backend("reference"):
+            ref = jax.jit(lambda m, c, t: step(m, c, t))(model, cache, tokens)
+        fast, ref = np.asarray(fast, np.float32), np.asarray(ref, np.float32)
+        errors[name] = float(np.linalg.norm(fast - ref) / np.linalg.norm(ref))
+        print(f"check {name:12s}: logits rel err vs references {errors[name]:.2e}", flush=True)
+    return errors
+
+
+def run_ours(args, shapes, contexts):
+    import sparsejax
+    from sparsejax.models import ModelConfig, init_params
+
+    config = ModelConfig(**shapes)
+    model = sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    errors = check_against_references(model, config, batch=2 if args.smoke else 4,
+                                      context=200 if args.smoke else 2048)
+    rows = []
+    for context in contexts:
+        kv_bytes = (2 * config.num_layers * args.batch * context * config.num_kv_heads *
+                    config.head_dim * 2)
+        floor = harness.floor_ms(weight_bytes + kv_bytes)
+        results = {}
+        for name, method in methods_for(config).items():
+            plan = method.to_plan(config, None)
+            steps = 2 + args.calls * args.repeats
+            cache = random_cache(config, plan, args.batch, context, steps, jax.random.key(1))
+            tokens = jnp.zeros((args.batch,), jnp.int32)
+            results[name] = time_steps(model, plan, cache, tokens, calls=args.calls,
+                                       repeats=args.repeats)
+            del cache
+            print(f"{name:12s} @ {context}: {results[name]:.3f} ms", flush=True)
+        for name, ms in results.items():
+            rows.append(harness.row(name, context=context, batch=args.batch, ms=ms, floor=floor,
+                                    peer="dense", peer_ms=results["dense"],
+                                    speedup_vs_dense=round(results["dense"] / ms, 3),
+                                    logits_rel_err_vs_reference=round(errors[name], 5)))
+        rows.append(harness.row("delta+resa vs delta", context=context, batch=args.batch,
+                                ms=results["delta+resa"], peer="delta", peer_ms=results["delta"]))
+    return rows
+
+
+def run_hf(args, shapes, contexts):
+    """HF transformers, one decode step with a static cache (SDPA), in this process."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=shapes["vocab_size"], hidden_size=shapes["hidden_size"],
+        num_hidden_layers=shapes["num_layers"], num_attention_heads=shapes["num_heads"],
+        num_key_value_heads=shapes["num_kv_heads"], intermediate_size=shapes["intermediate_size"],
+        max_position_embeddings=max(contexts) + 64, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).cuda().eval()
+    out = {}
+    for context in contexts:
+        cache = transformers.StaticCache(config=cfg, max_batch_size=args.batch,
+                                         max_cache_len=context + 16)
+        ids = torch.zeros((args.batch, 1), dtype=torch.long, device="cuda")
+        pos = torch.tensor([context], device="cuda")
+        with torch.no_grad():
+            step = lambda: model(input_ids=ids, past_key_values=cache, cache_position=pos,  # noqa: E731
+                                 use_cache=True)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            samples = []
+            for _ in range(args.repeats):
+                start.record()
+                for _ in range(args.calls):
+                    step()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) / args.calls)
+        out[context] = float(np.median(samples))
+        print(f"hf-transformers @ {context}: {out[context]:.3f} ms", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    shapes, contexts = (TINY, [256, 512]) if args.smoke else (QWEN_1_5B, [4096, 16384])
+    if args.smoke:
+        args.batch, args.calls, args.repeats = 2, 1, 1
+    if args.hf_only:
+        print(json.dumps(run_hf(args, shapes, contexts)))
+        return
+    hf = {}
+    if not args.smoke:
+        proc = subprocess.run([sys.executable, __file__, "--hf-only", "--batch", str(args.batch),
+                               "--calls", str(args.calls), "--repeats", str(args.repeats)],
+                              capture_output=True, text=True)
+        print(proc.stderr[-2000:] if proc.returncode else "", end="")
+        hf = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()} \
+            if proc.returncode == 0 else {}
+    rows = run_ours(args, shapes, contexts)
+    for context, ms in hf.items():
+        dense = next(r for r in rows if r["case"] == "dense" and r["context"] == context)
+        rows.append(harness.row("hf-transformers-sdpa-static", context=context, batch=args.batch,
+                                ms=ms, floor=dense["floor_ms"]))
+        rows.append(harness.row("dense vs hf-transformers", context=context, batch=args.batch,
+                                ms=dense["ms"], peer="hf-transformers-sdpa-static", peer_ms=ms))
+    harness.print_table(rows)
+    if not args.smoke:
+        harness.write_results("decode_step", rows, model="DS-R1-Distill-Qwen-1.5B shapes, random "
+                              "weights, bf16", hf_error=None if hf else "HF peer failed")
+        plot(rows)
+
+
+def plot(rows):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["dense", "delta", "delta+resa", "kascade", "lychee", "hf-transformers-sdpa-static"]
+    contexts = sorted({r["context"] for r in rows})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ms = [next((r["ms"] for r in rows if r["case"] == name and r["context"] == c), 0)
+              for c in contexts]
+        ax.bar(np.arange(len(contexts)) + i * width, ms, width, label=name)
+    ax.set_xticks(np.arange(len(contexts)) + 0.4, [f"{c // 1024}k" for c in contexts])
+    ax.set_ylabel("ms per decode step (B=64)")
+    ax.set_title(f"Decode step, DS-Qwen-1.5B shapes, {harness.device_name()}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = harness.RESULTS / "decode_step.png"
+    fig.savefig(path, dpi=120)
+    if os.environ.get("OUT"):
+        fig.savefig(os.path.join(os.environ["OUT"], "decode_step.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
