@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from sparsejax import resa, selection
 from sparsejax.cache import PagedKVCache, layer_pages, token_address, write_token
-from sparsejax.models import Model, attention_inputs, finish_layer
+from sparsejax.models import Model, attention_inputs, attention_projection, finish_layer
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
@@ -100,6 +100,8 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
     diag = None
     if diagnostics:
         diag = _diagnostics(plan, q, k_flat, v_flat, table, ctx.lengths, out, attended, sel)
+        # the layer's input and its attention block's output (Kascade's layer importance)
+        diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
     return Carry(h, k_flat, v_flat, sel, state), diag
 
 
