@@ -221,9 +221,10 @@ class DELTA:
         return dataclasses.replace(self, delta_layers=_scale_layers(self.delta_layers, num_layers))
 
     @classmethod
-    def from_calibration(cls, path, **overrides) -> "DELTA":
+    def from_calibration(cls, path, model=None, **overrides) -> "DELTA":
+        """Δ-layers from a `sparsejax calibrate` file; with `model`, checked to be made for it."""
         from sparsejax.calibrate import load_calibration
-        calib = load_calibration(path, "delta")
+        calib = load_calibration(path, "delta", model=model)
         return cls(delta_layers=tuple(calib["layers"]), **overrides)
 
     def to_plan(self, config, page_size=None):
@@ -264,9 +265,11 @@ class Kascade:
         return dataclasses.replace(self, anchor_layers=_scale_layers(self.anchor_layers, num_layers))
 
     @classmethod
-    def from_calibration(cls, path, **overrides) -> "Kascade":
+    def from_calibration(cls, path, model=None, **overrides) -> "Kascade":
+        """Anchors and head map from a `sparsejax calibrate` file; with `model`, checked to be
+        made for it."""
         from sparsejax.calibrate import load_calibration
-        calib = load_calibration(path, "kascade")
+        calib = load_calibration(path, "kascade", model=model)
         return cls(anchor_layers=tuple(calib["layers"]), head_map=calib["head_map"], **overrides)
 
     def to_plan(self, config, page_size=None):

@@ -1,0 +1,598 @@
+"""Calibration: DELTA's layer-shift probe and Kascade's anchor layers with head remapping.
+
+Both run dense greedy decoding over a few prompts and measure, after every decode step, every
+layer's attention of that step's query over the cache (`paged_decode_attention`):
+
+  DELTA (App. D)   attention_shift -> suggest_delta_layers
+  Kascade (§3.2-3.5, Alg. 1)
+                   kascade_similarity -> layer_similarity -> select_anchor_layers -> head_mapping
+
+The choice is kept in a JSON calibration file (`save_calibration`) that names the model it was
+made for; `load_calibration` (and `methods.DELTA/Kascade.from_calibration`) refuse a file made
+for another model. `sparsejax calibrate` runs the whole job from the command line:
+
+    sparsejax calibrate --method kascade --task niah,vt --samples 16 --context 2048 \
+        --decode-steps 16 --anchors 5 --out kascade.json --plot plots/
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsejax.cache import allocate, layer_pages
+from sparsejax.generate import decode_step, prefill
+from sparsejax.models import Model
+from sparsejax.pallas_kernels import paged_decode_attention
+from sparsejax.plan import dense_plan
+
+FORMAT = "sparsejax-calibration"
+VERSION = 1
+METHODS = ("delta", "kascade")
+
+
+# ---- dense decoding with per-step measurements ----------------------------------------------
+@jax.jit
+def _prefill(model, cache, input_ids, lengths):
+    logits, cache = prefill(model, cache, input_ids, lengths, dense_plan(model.config,
+                                                                         cache.page_size))
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+
+@functools.partial(jax.jit, static_argnames=("measure", "options"), donate_argnames=("cache",))
+def _step(model, cache, tokens, *, measure, options):
+    """One greedy dense decode step, then `measure(model, cache, diagnostics, *options)`."""
+    logits, cache, diag = decode_step(model, cache, tokens,
+                                      dense_plan(model.config, cache.page_size), diagnostics=True)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache, measure(model, cache, diag,
+                                                                          *options)
+
+
+def _check_prompts(prompts, lengths, decode_steps):
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or prompts.shape[0] < 1 or prompts.shape[1] < 1 or not np.issubdtype(
+            prompts.dtype, np.integer):
+        raise ValueError(f"prompts has shape {prompts.shape} ({prompts.dtype}): expected "
+                         "right-padded token ids [num_prompts >= 1, seq >= 1]")
+    N, T = prompts.shape
+    lengths = np.full((N,), T) if lengths is None else np.asarray(lengths)
+    if lengths.shape != (N,):
+        raise ValueError(f"lengths has shape {lengths.shape}: expected ({N},)")
+    if lengths.min() < 1 or lengths.max() > T:
+        raise ValueError(f"lengths range over [{lengths.min()}, {lengths.max()}]: expected "
+                         f"1 <= length <= {T}")
+    if not isinstance(decode_steps, (int, np.integer)) or decode_steps < 1:
+        raise ValueError(f"decode_steps={decode_steps!r}: expected an int >= 1")
+    return prompts.astype(np.int32), lengths.astype(np.int32)
+
+
+def _measure_decoding(model: Model, prompts, lengths, *, decode_steps: int, batch_size: int,
+                      measure, options=(), progress: bool, desc: str):
+    """Dense greedy decoding of `prompts` in batches; yields, per batch, `measure`'s outputs
+    (each [rows, ...]) stacked over the decode steps: [decode_steps, rows, ...] numpy."""
+    from tqdm.auto import tqdm
+
+    prompts, lengths = _check_prompts(prompts, lengths, decode_steps)
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: expected an int >= 1")
+    N, T = prompts.shape
+    model.config.check_context(T + decode_steps)
+    B = min(batch_size, N)
+    with tqdm(total=N * decode_steps, desc=desc, unit="token", disable=not progress) as bar:
+        for start in range(0, N, B):
+            rows = min(B, N - start)
+            # A short last batch is filled with copies of its first prompt (dropped below), so
+            # every batch has one shape and the step compiles once.
+            pick = np.concatenate([np.arange(start, start + rows), np.full(B - rows, start)])
+            cache = allocate(model.config, B, T + decode_steps, dtype=model.dtype)
+            tokens, cache = _prefill(model, cache, prompts[pick], lengths[pick])
+            steps = []
+            for _ in range(decode_steps):
+                tokens, cache, out = _step(model, cache, tokens, measure=measure,
+                                           options=options)
+                steps.append(out)
+                jax.block_until_ready(tokens)
+                bar.update(rows)
+            yield jax.tree.map(lambda *xs: np.stack([np.asarray(x[:rows]) for x in xs]), *steps)
+
+
+def _layer_scores(cache, query, score: str) -> jax.Array:
+    """`paged_decode_attention`'s `score` for every layer's query of this step.
+
+    query [L, B, HQ, D] -> [L, B, heads, max_pages * P] f32, 0 past each row's length. The
+    layers are folded into the kernel's batch: layer l's pages are page_table + l * num_pages
+    in the flattened cache (as in `sparsejax.stack`).
+    """
+    L, B = query.shape[:2]
+    offsets = jnp.arange(L, dtype=jnp.int32)[:, None, None] * cache.num_pages
+    tables = (cache.page_table[None] + offsets).reshape(L * B, -1)
+    scores = paged_decode_attention(
+        query.reshape((L * B,) + query.shape[2:]), layer_pages(cache.k), layer_pages(cache.v),
+        tables, jnp.tile(cache.lengths, L), score=score).scores
+    scores = scores.reshape((L, B) + scores.shape[1:])
+    return jnp.where(jnp.isfinite(scores), scores, 0.0)
+
+
+def _cosine(x: jax.Array, y: jax.Array) -> jax.Array:
+    """Cosine similarity over the last axis (f32)."""
+    x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+    norms = jnp.linalg.norm(x, axis=-1) * jnp.linalg.norm(y, axis=-1)
+    return jnp.sum(x * y, axis=-1) / jnp.maximum(norms, jnp.finfo(jnp.float32).tiny)
+
+
+# ---- DELTA: the layer-shift probe -----------------------------------------------------------
+def _shift_measure(model, cache, diag):
+    """-> [B, L-1]: 1 - cos between consecutive layers' concatenated per-head probabilities."""
+    probs = _layer_scores(cache, diag["query"], "head_probs")     # [L, B, HQ, T]
+    flat = probs.reshape(probs.shape[:2] + (-1,))
+    return (1.0 - _cosine(flat[:-1], flat[1:])).T
+
+
+def attention_shift(model: Model, prompts, *, decode_steps: int, lengths=None,
+                    batch_size: int = 8, progress: bool = True) -> np.ndarray:
+    """DELTA's layer-shift probe (App. D) -> shift [layers - 1] float64.
+
+    shift[l - 1] is the mean over decode steps and prompts of 1 - cos(a_{l-1}, a_l), where a_l
+    is layer l's attention of the step's query: every query head's probabilities over the valid
+    context, concatenated. Dense greedy decoding of `prompts` (right-padded ids [N, T] with
+    `lengths` [N]; default all T): prefill, then `decode_steps` measured steps.
+    """
+    parts = [s.mean(axis=0) for s in _measure_decoding(
+        model, prompts, lengths, decode_steps=decode_steps, batch_size=batch_size,
+        measure=_shift_measure, progress=progress, desc="attention shift")]
+    return np.concatenate(parts).mean(axis=0).astype(np.float64)
+
+
+def suggest_delta_layers(shift, count: int, dense_layers=(0, 1)) -> tuple[int, ...]:
+    """`count` Δ-layers: high-shift layers spread over the depth.
+
+    shift [L - 1] from `attention_shift` (shift[l - 1] is the shift into layer l). The rule:
+      1. the first Δ-layer is the layer right after the dense layers (DELTA: layer 2), which
+         makes the first selection;
+      2. the other count - 1 are taken greedily in order of decreasing shift (ties: the lower
+         layer), skipping a layer closer than `spacing = max(1, L // (2 * count))` layers to one
+         already taken;
+      3. if that leaves fewer than `count`, the pass repeats with the spacing one smaller,
+         keeping what was taken, down to spacing 1 (any free layer).
+    """
+    shift = np.asarray(shift, np.float64)
+    if shift.ndim != 1 or shift.shape[0] < 1 or not np.all(np.isfinite(shift)):
+        raise ValueError(f"shift has shape {shift.shape}: expected finite values [layers - 1 >= 1]")
+    L = shift.shape[0] + 1
+    dense = tuple(int(d) for d in dense_layers)
+    if any(not 0 <= d < L - 1 for d in dense):
+        raise ValueError(f"dense_layers={dense}: expected layers in [0, {L - 1}) so that a "
+                         f"Δ-layer follows them in a {L}-layer model")
+    first = max(dense) + 1 if dense else 0
+    if not isinstance(count, (int, np.integer)) or not 1 <= count <= L - first:
+        raise ValueError(f"count={count!r}: expected an int in [1, {L - first}] (the layers "
+                         f"{first}..{L - 1} after dense_layers={dense})")
+    order = sorted(range(first + 1, L), key=lambda layer: (-shift[layer - 1], layer))
+    chosen = [first]
+    for spacing in range(max(1, L // (2 * count)), 0, -1):
+        for layer in order:
+            if len(chosen) == count:
+                break
+            if all(abs(layer - c) >= spacing for c in chosen):
+                chosen.append(layer)
+    return tuple(sorted(chosen))
+
+
+# ---- Kascade: cross-layer similarity, importance, anchors, head map --------------------------
+def _similarity_measure(model, cache, diag, k):
+    """-> sim [B, L, L, HK, HK] (layer b head h2's mass on layer a head h1's top-k over its mass
+    on its own top-k) and importance [B, L] (1 - cos(x, x + attn_out))."""
+    # GQA pooling (Kascade §3.4): the query group's probabilities summed, normalised to sum 1
+    probs = _layer_scores(cache, diag["query"], "group_sum") / model.config.group_size
+    top, index = jax.lax.top_k(probs, min(k, probs.shape[-1]))     # [L, B, HK, k]
+    own = jnp.sum(top, axis=-1)                                     # [L, B, HK]
+    chosen = jnp.put_along_axis(jnp.zeros_like(probs), index, 1.0, axis=-1, inplace=False)
+    kept = jnp.einsum("arht,brgt->rabhg", chosen, probs, precision=jax.lax.Precision.HIGHEST)
+    sim = kept / jnp.transpose(own, (1, 0, 2))[:, None, :, None, :]
+    x = diag["hidden"].astype(jnp.float32)                          # [L, B, H]
+    importance = 1.0 - _cosine(x, x + diag["attn_block"].astype(jnp.float32))
+    return sim, importance.T
+
+
+def kascade_similarity(model: Model, prompts, *, k: int = 64, decode_steps: int, lengths=None,
+                       batch_size: int = 8, progress: bool = True):
+    """Kascade's cross-layer, cross-head similarity and layer importance.
+
+    Returns (sim [L, L, HK, HK], importance [L]) float64:
+      sim[a, b, h1, h2] = P_b,h2(topk(P_a,h1, k)) / P_b,h2(topk(P_b,h2, k)), where P_l,h is
+        layer l's post-softmax attention of the step's query summed over KV head h's query
+        group and normalised to sum 1: how much of its own top-k mass layer b head h2 keeps when
+        it reuses layer a head h1's top-k. Minimum over the decode steps of a prompt (the worst
+        token, §3.3), mean over prompts. Defined for a <= b (a reuse layer only reads an earlier
+        anchor; sim[a, a, h, h] = 1); NaN where a > b.
+      importance[l] = 1 - cos(x, x + attn_out), x = layer l's input hidden state and attn_out
+        its attention block's output (after o_proj); mean over decode steps and prompts.
+    Dense greedy decoding as in `attention_shift`.
+    """
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k={k!r}: expected an int >= 1")
+    sims, importances = [], []
+    for sim, importance in _measure_decoding(
+            model, prompts, lengths, decode_steps=decode_steps, batch_size=batch_size,
+            measure=_similarity_measure, options=(int(k),), progress=progress,
+            desc="kascade similarity"):
+        sims.append(sim.min(axis=0))
+        importances.append(importance.mean(axis=0))
+    sim = np.concatenate(sims).mean(axis=0).astype(np.float64)
+    L = sim.shape[0]
+    sim[np.tril(np.ones((L, L), bool), -1)] = np.nan
+    return sim, np.concatenate(importances).mean(axis=0).astype(np.float64)
+
+
+def _check_sim(sim) -> np.ndarray:
+    sim = np.asarray(sim, np.float64)
+    if sim.ndim != 4 or sim.shape[0] != sim.shape[1] or sim.shape[2] != sim.shape[3]:
+        raise ValueError(f"sim has shape {sim.shape}: expected [layers, layers, kv_heads, "
+                         "kv_heads]")
+    return sim
+
+
+def layer_similarity(sim, importance) -> np.ndarray:
+    """Layer-level similarity [L, L] for the anchor DP (Kascade §3.3, §3.5):
+
+        layer_sim[a, b] = importance[b] * mean over h2 of max over h1 of sim[a, b, h1, h2]
+
+    i.e. each reuse head reads the best head of the anchor (head remapping), and the layer
+    counts by how much its attention changes the residual stream. The diagonal is the layer's
+    own importance (an anchor keeps all of its own top-k mass); NaN where a > b.
+    """
+    sim = _check_sim(sim)
+    importance = np.asarray(importance, np.float64)
+    if importance.shape != (sim.shape[0],):
+        raise ValueError(f"importance has shape {importance.shape}: expected ({sim.shape[0]},)")
+    return sim.max(axis=2).mean(axis=2) * importance[None, :]
+
+
+def _check_anchors(anchors, num_layers: int) -> tuple[int, ...]:
+    anchors = tuple(sorted(int(a) for a in anchors))
+    if (len(set(anchors)) != len(anchors) or not anchors or anchors[0] != 0
+            or anchors[-1] >= num_layers):
+        raise ValueError(f"anchors={anchors}: expected distinct layers in [0, {num_layers}) "
+                         "including layer 0")
+    return anchors
+
+
+def anchor_of(anchors, num_layers: int) -> np.ndarray:
+    """[num_layers] int: for each layer the latest anchor at or before it."""
+    anchors = _check_anchors(anchors, num_layers)
+    return np.asarray(anchors)[np.searchsorted(anchors, np.arange(num_layers), side="right") - 1]
+
+
+def select_anchor_layers(layer_sim, num_anchors: int) -> tuple[int, ...]:
+    """Kascade's anchor-layer dynamic program (Alg. 1), exact, O(L² · num_anchors).
+
+    Chooses `num_anchors` layers, layer 0 always one of them, maximising
+
+        sum over all layers b of layer_sim[anchor(b), b],  anchor(b) = latest anchor <= b,
+
+    so an anchor contributes its own layer_sim[a, a] (as in Alg. 1, whose segment sums start at
+    the anchor) and a reuse layer what it keeps of its anchor's selection. Only a <= b is read.
+    Among equal optima the lexicographically smallest set of layers is returned.
+    """
+    S = np.asarray(layer_sim, np.float64)
+    if S.ndim != 2 or S.shape[0] != S.shape[1] or S.shape[0] < 1:
+        raise ValueError(f"layer_sim has shape {S.shape}: expected [layers, layers]")
+    L = S.shape[0]
+    upper = np.triu(np.ones((L, L), bool))
+    if not np.all(np.isfinite(S[upper])):
+        raise ValueError("layer_sim has non-finite values at or above the diagonal")
+    if not isinstance(num_anchors, (int, np.integer)) or not 1 <= num_anchors <= L:
+        raise ValueError(f"num_anchors={num_anchors!r}: expected an int in [1, {L}] (layer 0 "
+                         "included)")
+    # segment[i, j] = value of layers i..j-1 all reusing anchor i (j > i)
+    segment = np.concatenate([np.zeros((L, 1)), np.cumsum(np.where(upper, S, 0.0), axis=1)],
+                             axis=1)
+    # best[r, i]: the most layers i..L-1 can hold with an anchor at i and r more after it
+    best = np.full((num_anchors, L), -np.inf)
+    best[0] = segment[np.arange(L), L]
+    for r in range(1, num_anchors):
+        for i in range(L - r):
+            nxt = np.arange(i + 1, L - r + 1)
+            best[r, i] = np.max(segment[i, nxt] + best[r - 1, nxt])
+    anchors = [0]
+    for r in range(num_anchors - 1, 0, -1):
+        i = anchors[-1]
+        nxt = np.arange(i + 1, L - r + 1)
+        anchors.append(int(nxt[np.argmax(segment[i, nxt] + best[r - 1, nxt])]))
+    return tuple(anchors)
+
+
+def head_mapping(sim, anchors) -> np.ndarray:
+    """Kascade's head remapping (§3.5) -> [L, HK] int32: a reuse layer b's KV head h2 reads the
+    selection of head argmax_h1 sim[anchor(b), b, h1, h2] of its anchor; anchors map to
+    themselves."""
+    sim = _check_sim(sim)
+    L, HK = sim.shape[0], sim.shape[2]
+    source = anchor_of(anchors, L)
+    layers = np.arange(L)
+    best = np.argmax(sim[source, layers], axis=1)                   # [L, HK]
+    return np.where((source == layers)[:, None], np.arange(HK)[None, :], best).astype(np.int32)
+
+
+# ---- the calibration file ---------------------------------------------------------------------
+_HASHED_PARAMS = ("embed", "wq", "wk", "wv", "wo", "w_down")
+_HASHED_VALUES = 1024
+
+
+def model_fingerprint(model: Model) -> dict:
+    """Shapes of the model and a short hash of a few of its weights.
+
+    The hash reads the first and last `_HASHED_VALUES` values of the embedding and of the
+    stacked attention and MLP-down weights (so the first and last layers), rounded to bfloat16,
+    so one checkpoint loaded in float32 or bfloat16 hashes alike.
+    """
+    c = model.config
+    digest = hashlib.sha256()
+    for name in _HASHED_PARAMS:
+        flat = (model.params[name] if name in model.params else model.params["layers"][name])
+        flat = flat.reshape(-1)
+        part = jnp.concatenate([flat[:_HASHED_VALUES], flat[-_HASHED_VALUES:]])
+        digest.update(np.asarray(part.astype(jnp.bfloat16)).tobytes())
+    return {"model_type": c.model_type, "layers": c.num_layers, "heads": c.num_heads,
+            "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden": c.hidden_size,
+            "vocab": c.vocab_size, "params_hash": digest.hexdigest()[:16]}
+
+
+def _json_ready(x):
+    """Arrays -> nested lists, NaN -> null (JSON has no NaN)."""
+    if isinstance(x, dict):
+        return {k: _json_ready(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return [_json_ready(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
+    if isinstance(x, (float, np.floating)):
+        return None if math.isnan(x) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def save_calibration(path, model: Model, *, method: str, layers, curves: dict, settings: dict,
+                     head_map=None) -> dict:
+    """Write a calibration file (JSON) and return its contents.
+
+    method: "delta" (layers = Δ-layers) or "kascade" (layers = anchors with 0, and head_map
+    [L, HK]). curves: the measurements behind the choice ({"shift": ...} or
+    {"layer_similarity": ..., "importance": ...}); settings: how they were measured (k,
+    decode_steps, samples, prompt source, ...). The model's fingerprint and the date are added.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: expected one of {METHODS}")
+    c = model.config
+    layers = tuple(sorted(int(i) for i in layers))
+    if not layers or len(set(layers)) != len(layers) or layers[0] < 0 or layers[-1] >= c.num_layers:
+        raise ValueError(f"layers={layers}: expected distinct layers in [0, {c.num_layers})")
+    doc = {"format": FORMAT, "version": VERSION, "method": method,
+           "model": model_fingerprint(model), "layers": list(layers)}
+    if method == "kascade":
+        _check_anchors(layers, c.num_layers)
+        hm = np.asarray(head_map)
+        if hm.shape != (c.num_layers, c.num_kv_heads) or hm.min() < 0 or hm.max() >= c.num_kv_heads:
+            raise ValueError(f"head_map has shape {hm.shape}: expected KV head indices in "
+                             f"[0, {c.num_kv_heads}) of shape [{c.num_layers}, {c.num_kv_heads}]")
+        doc["head_map"] = hm.astype(int).tolist()
+    elif head_map is not None:
+        raise ValueError("head_map is for method='kascade'; DELTA shares one page set")
+    doc.update(curves=_json_ready(curves), settings=_json_ready(settings),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    # one line per list of numbers (a curve, a matrix row) keeps the file readable
+    text = re.sub(r"\[[\s\d.eE+\-,nul]*\]",
+                  lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "),
+                  json.dumps(doc, indent=1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    return doc
+
+
+def check_calibration(calib: dict, model: Model) -> None:
+    """ValueError naming every fingerprint field where the file and `model` differ."""
+    have = calib.get("model", {})
+    diff = [f"{key}: file {have.get(key)!r}, model {value!r}"
+            for key, value in model_fingerprint(model).items() if have.get(key) != value]
+    if diff:
+        raise ValueError(f"calibration file for another model ({'; '.join(diff)}): calibrate "
+                         "this model with `sparsejax calibrate`")
+
+
+def load_calibration(path, kind: str, model: Model | None = None) -> dict:
+    """Read a calibration file of method `kind` ("delta" | "kascade"); with `model`, also
+    check that it was made for this model (`check_calibration`)."""
+    if kind not in METHODS:
+        raise ValueError(f"kind={kind!r}: expected one of {METHODS}")
+    try:
+        calib = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path} is not JSON: {e}") from None
+    if not isinstance(calib, dict) or calib.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a sparsejax calibration file (format {FORMAT!r})")
+    if calib.get("method") != kind:
+        raise ValueError(f"calibration file {path} is for method {calib.get('method')!r}: "
+                         f"expected {kind!r}")
+    if model is not None:
+        try:
+            check_calibration(calib, model)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return calib
+
+
+# ---- plots ----------------------------------------------------------------------------------
+def plot_shift(shift, layers, path, *, dense_layers=(), title: str = "") -> None:
+    """The shift curve (x = layer l, the right member of the pair (l-1, l)), Δ-layers marked,
+    dense layers shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shift = np.asarray(shift)
+    x = np.arange(1, shift.shape[0] + 1)
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.plot(x, shift, marker="o", color="black", label="1 - cos(layer l-1, layer l)")
+    if dense_layers:
+        ax.axvspan(min(dense_layers) - 0.5, max(dense_layers) + 0.5, color="gray", alpha=0.15,
+                   label="dense layers")
+    chosen = [layer for layer in layers if layer >= 1]
+    ax.scatter(chosen, shift[np.asarray(chosen, int) - 1], s=120, facecolors="none",
+               edgecolors="red", linewidths=2, label=f"Δ-layers {tuple(layers)}", zorder=3)
+    ax.set_xlabel("layer l")
+    ax.set_ylabel("attention shift")
+    ax.set_title(title or "DELTA layer-shift probe")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_layer_similarity(layer_sim, importance, anchors, path, *, title: str = "") -> None:
+    """The layer-similarity matrix (rows: anchor a, columns: reuse layer b) with each layer's
+    chosen (anchor(b), b) cell marked, and the importance per layer with anchors highlighted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layer_sim = np.asarray(layer_sim, np.float64)
+    L = layer_sim.shape[0]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    im = ax.imshow(np.ma.masked_invalid(layer_sim), cmap="viridis")
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    ax.scatter(np.arange(L), anchor_of(anchors, L), marker="s", s=30, facecolors="none",
+               edgecolors="red", label="anchor(b), b")
+    ax.set_xlabel("reuse layer b")
+    ax.set_ylabel("anchor layer a")
+    ax.set_title("importance[b] × mean_h2 max_h1 sim")
+    ax.legend(fontsize=8, loc="lower left")
+    colors = ["red" if layer in anchors else "gray" for layer in range(L)]
+    bx.bar(np.arange(L), np.asarray(importance), color=colors)
+    bx.set_xlabel("layer (red: anchors)")
+    bx.set_title("importance 1 - cos(x, x + attn_out)")
+    fig.suptitle(title or f"Kascade anchors {tuple(anchors)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    from sparsejax.train.data import TASKS
+
+    p = sub.add_parser("calibrate", help="DELTA layer-shift probe / Kascade anchor DP",
+                       description="Calibrate DELTA's Δ-layers or Kascade's anchor layers and "
+                       "head map for a model; writes a calibration JSON (--out) for "
+                       "methods.DELTA/Kascade.from_calibration and `--calibration`.")
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
+    p.add_argument("--method", required=True, choices=METHODS)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompts", default=None, help="text file, one prompt per line, "
+                        "tokenized with the model's tokenizer")
+    source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
+                        f"tasks, in turn (default: all of {','.join(TASKS)})")
+    p.add_argument("--samples", type=int, default=16, help="prompts (the first N lines of "
+                   "--prompts)")
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens: exact for --task, "
+                   "at most for --prompts (longer lines keep their first N tokens)")
+    p.add_argument("--decode-steps", type=int, default=16, help="measured decode steps per prompt")
+    p.add_argument("--count", type=int, default=None, help="delta: Δ-layers (default 3, the "
+                   "paper's, or fewer on a shallow model)")
+    p.add_argument("--anchors", type=int, default=None, help="kascade: anchor layers, layer 0 "
+                   "included (default 5, the paper's, or fewer on a shallow model)")
+    p.add_argument("--k", type=int, default=64, help="kascade: top-k of the similarity")
+    p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--out", required=True, help="calibration JSON to write")
+    p.add_argument("--plot", default=None, help="directory for the PNGs")
+    p.set_defaults(func=run)
+
+
+def _cli_prompts(args, tokenizer):
+    """-> (ids [N, T], lengths [N], description of the source)."""
+    from sparsejax.train import data
+
+    if args.samples < 1 or args.context < 1:
+        raise ValueError(f"--samples {args.samples} --context {args.context}: expected >= 1")
+    if args.prompts:
+        lines = [s for s in Path(args.prompts).read_text().splitlines() if s.strip()]
+        if not lines:
+            raise ValueError(f"--prompts {args.prompts}: no non-empty lines")
+        rows = [tokenizer(s)["input_ids"][:args.context] for s in lines[:args.samples]]
+        lengths = np.asarray([len(r) for r in rows], np.int32)
+        ids = np.full((len(rows), lengths.max()), tokenizer.pad_token_id or 0, np.int32)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        return ids, lengths, f"file {args.prompts}"
+    tasks = [t.strip() for t in (args.task or ",".join(data.TASKS)).split(",") if t.strip()]
+    vocab = tokenizer.get_vocab()
+    samples = [data.make_sample(tasks[i % len(tasks)], args.context, args.seed, i // len(tasks),
+                                vocab) for i in range(args.samples)]
+    ids, lengths = data.prompt_batch(samples)
+    return ids, lengths, f"synthetic tasks {','.join(tasks)} (seed {args.seed})"
+
+
+def run(args) -> int:
+    import sparsejax
+
+    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
+    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
+                                      else jnp.bfloat16)
+    ids, lengths, source = _cli_prompts(args, sparsejax.load_tokenizer(model_dir))
+    L = model.config.num_layers
+    settings = {"decode_steps": args.decode_steps, "samples": int(ids.shape[0]),
+                "context": int(lengths.max()), "prompts": source, "dtype": args.dtype,
+                "model_dir": str(model_dir)}
+    measure = dict(lengths=lengths, decode_steps=args.decode_steps, batch_size=args.batch)
+    out, plot = Path(args.out), Path(args.plot) if args.plot else None
+    if plot:
+        plot.mkdir(parents=True, exist_ok=True)
+    if args.method == "delta":
+        dense_layers = (0, 1)
+        count = args.count if args.count is not None else max(1, min(3, L - 2))
+        shift = attention_shift(model, ids, **measure)
+        layers = suggest_delta_layers(shift, count, dense_layers)
+        settings.update(count=count, dense_layers=list(dense_layers))
+        save_calibration(out, model, method="delta", layers=layers, curves={"shift": shift},
+                         settings=settings)
+        print(f"shift: {np.round(shift, 4).tolist()}\nΔ-layers: {layers}")
+        if plot:
+            plot_shift(shift, layers, plot / "delta_shift.png", dense_layers=dense_layers,
+                       title=f"{model_dir.name}: DELTA layer shift")
+    else:
+        anchors = args.anchors if args.anchors is not None else min(5, L)
+        sim, importance = kascade_similarity(model, ids, k=args.k, **measure)
+        layer_sim = layer_similarity(sim, importance)
+        layers = select_anchor_layers(layer_sim, anchors)
+        head_map = head_mapping(sim, layers)
+        settings.update(k=args.k, anchors=anchors)
+        save_calibration(out, model, method="kascade", layers=layers, head_map=head_map,
+                         curves={"layer_similarity": layer_sim, "importance": importance},
+                         settings=settings)
+        print(f"importance: {np.round(importance, 4).tolist()}\nanchor layers: {layers}\n"
+              f"head map: {head_map.tolist()}")
+        if plot:
+            plot_layer_similarity(layer_sim, importance, layers,
+                                  plot / "kascade_layer_similarity.png",
+                                  title=f"{model_dir.name}: Kascade anchors {layers}")
+    print(f"wrote {out}" + (f" and PNGs in {plot}" if plot else ""), file=sys.stderr)
+    return 0
+
+
+__all__ = [
+    "add_parser", "anchor_of", "attention_shift", "check_calibration", "head_mapping",
+    "kascade_similarity", "layer_similarity", "load_calibration", "model_fingerprint",
+    "plot_layer_similarity", "plot_shift", "save_calibration", "select_anchor_layers",
+    "suggest_delta_layers",
+]
