@@ -14,6 +14,7 @@ log1mexp(0) = -inf and the output is the exact sparse (= dense) one.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -37,10 +38,11 @@ def init_prior(out: ForwardOutput, lengths: jax.Array) -> Prior:
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
         mu_k = jnp.einsum("btkd,bt->bkd", k, valid) / lengths[:, None, None].astype(jnp.float32)
+        # one query per row: out [B, 1, HQ, D], residual (log-sum-exp) [B, 1, HQ]
         o_est, lse = jax.nn.dot_product_attention(
             mu_q[:, None], k, v, key_value_seq_lengths=lengths, return_residual=True,
             implementation="xla")
-        return mu_k, lse[:, :, 0], o_est[:, 0]
+        return mu_k, lse[:, 0], o_est[:, 0]
     mu_k, lse, o_est = jax.lax.map(layer, (out.query_means, out.keys, out.values))
     L = out.keys.shape[0]
     return Prior(out.query_means, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
@@ -71,14 +73,14 @@ def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial,
     error below 0, and e^{A - lse'} <= 1 / (1 - e^x) would amplify that into the output.
     """
     lse_i, o_i = partial
-    d = q.shape[-1]
+    dtype = prior.o_est.dtype          # the prior's precision (f32; f64 in exactness tests)
     group = q.shape[1] // prior.mu_k.shape[1]
     mu_k = jnp.repeat(prior.mu_k, group, axis=1)
-    b = jnp.sum((q.astype(jnp.float32) - prior.mu_q) * mu_k, axis=-1) / jnp.sqrt(jnp.float32(d))
+    b = jnp.sum((q.astype(dtype) - prior.mu_q) * mu_k, axis=-1) / math.sqrt(q.shape[-1])
     x = jnp.minimum(lse_i - prior.lse, 0.0)
     if complete is not None:
         x = jnp.where(complete, 0.0, x)
-    a = jnp.log(jnp.float32(residual.lam)) + b + prior.lse
+    a = jnp.log(jnp.asarray(residual.lam, dtype)) + b + prior.lse
     lse_rest = a + log1mexp(x)
     lse_new = jnp.logaddexp(lse_sa, lse_rest)
     # No unselected mass (lambda = 0, or a complete selection): the residual adds nothing,
@@ -87,7 +89,7 @@ def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial,
     w_sa = jnp.exp(lse_sa - lse_new)[..., None]
     # e^x o_I is 0 when nothing selected lies in the prompt (x = -inf, o_I = 0)
     rest = prior.o_est - jnp.where(jnp.isfinite(x), jnp.exp(x), 0.0)[..., None] * o_i
-    return w_rest * rest + w_sa * out_sa.astype(jnp.float32)
+    return w_rest * rest + w_sa * out_sa.astype(dtype)
 
 
 def fold_token(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array) -> Prior:
@@ -96,7 +98,7 @@ def fold_token(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array) -> Pr
     group = p.mu_q.shape[1] // k.shape[1]
     kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
     vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    logit = jnp.sum(p.mu_q * kf, axis=-1) / jnp.sqrt(jnp.float32(k.shape[-1]))
+    logit = jnp.sum(p.mu_q * kf, axis=-1) / math.sqrt(k.shape[-1])
     lse = jnp.logaddexp(p.lse, logit)
     o_est = (jnp.exp(p.lse - lse)[..., None] * p.o_est + jnp.exp(logit - lse)[..., None] * vf)
     return prior._replace(lse=prior.lse.at[layer].set(lse), o_est=prior.o_est.at[layer].set(o_est))
