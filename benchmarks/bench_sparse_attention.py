@@ -15,7 +15,20 @@ the context, re-picks its split count at 8k and 128k among a few candidates. Eve
 also timed with RESA `prior_query` set (target <= 1.15x without). Each timing runs enough
 back-to-back calls (>= ~20 ms) that the launch and sync at the ends of a batch are noise.
 
-  python benchmarks/bench_sparse_attention.py            # H200, < 4 minutes
+The prior on the direct (one-split) path, where a call is ~0.06-0.08 ms, is taken apart
+(`isolate_prior`; every row's ratio_to_no_prior is against the kernel without the prior at
+the same tuning):
+  +prior            prior_length omitted: the kernel has no prior mask (the bound is implied)
+  +prior_bound      prior_length = lengths - 16, another array: the per-row mask in the loop
+  +prior/out_lse    the prior kernel, only (out, lse) returned: the cost of 2 more outputs
+                    per call on the host/runtime side (the kernel still writes them)
+  */chained         32 calls chained in one executable (q <- out): device time per call,
+                    no per-call dispatch; with and without the prior
+  +prior/sweep      other knobs with and without the prior (prefetch flipped, block_n=32,
+                    8 warps), and +prior@best: the best prior time / the best time without
+A prior cost seen per call but not /chained is host-side; one seen /chained is the kernel.
+
+  python benchmarks/bench_sparse_attention.py            # H200, < 5 minutes
   python benchmarks/bench_sparse_attention.py --smoke    # tiny shapes, CPU interpret mode
 """
 from __future__ import annotations
@@ -71,7 +84,9 @@ SPLIT_SWEEP = {  # per family; the default rule's split count is noted. block_n=
     "delta": [sweep_point(splits=2), sweep_point(splits=4), sweep_point(32, splits=2)],  # 1
     "lychee": [sweep_point(split_tokens=512), sweep_point(split_tokens=2048)],  # 1024
 }
-TIME_BUDGET_S = 210  # sweeps stop early, and later families are skipped, past this
+TIME_BUDGET_S = 270  # sweeps stop early, and later families are skipped, past this
+PRIOR_GAP = 16  # +prior_bound: the prior covers all but the last 16 positions (a prompt)
+CHAIN = 32  # kernel calls per executable in the */chained rows
 COLUMNS = ("case", "context", "batch", "ms", "floor_ms", "peer_ms", "ratio_to_floor",
            "ratio_to_peer", "ratio_to_no_prior", "num_splits", "out_err")
 
@@ -84,6 +99,7 @@ class Bench:
         self.cudnn_ms: dict[tuple[int, int], float] = {}
         self.key = jax.random.key(0)
         self.deadline = time.monotonic() + TIME_BUDGET_S
+        self.prior_swept: set[str] = set()  # families whose prior knob variants ran
         if smoke:
             self.hq, self.hk, self.d, self.p = 8, 2, 64, 8
         else:
@@ -140,19 +156,41 @@ class Bench:
                 x.delete()
         return self.cudnn_ms[(batch, context)]
 
-    def kernel(self, args, opts, tuning):
-        """The AOT-compiled kernel; with 8 args the last one is the RESA prior query."""
+    @staticmethod
+    def prior_opts(a) -> dict:
+        """args[7:]: the RESA prior query, then an explicit prior_length (when present)."""
+        return dict(zip(("prior_query", "prior_length"), a[7:]))
+
+    def call(self, a, opts, tuning, q=None):
+        """One kernel call on args `a` (q, when given, replaces a[0])."""
+        return sparse_decode_attention(a[0] if q is None else q, *a[1:7], **opts,
+                                       **self.prior_opts(a), backend="pallas",
+                                       interpret=self.interpret, **tuning)
+
+    def kernel(self, args, opts, tuning, out_lse_only=False):
+        """The AOT-compiled kernel (args as `prior_opts` reads them); out_lse_only: return
+        only (out, lse), whatever the kernel writes."""
         def call(*a):
-            prior = {"prior_query": a[7]} if len(a) == 8 else {}
-            return sparse_decode_attention(*a[:7], **opts, **prior, backend="pallas",
-                                           interpret=self.interpret, **tuning)
+            res = self.call(a, opts, tuning)
+            return (res.out, res.lse) if out_lse_only else res
         return harness.compiled(call, *args)
+
+    def chained(self, args, opts, tuning):
+        """CHAIN kernel calls in one executable, each call's out the next call's q (a real
+        dependency: nothing is hoisted or overlapped); time / CHAIN is the device time per
+        call without the per-call dispatch."""
+        reps = 2 if self.smoke else CHAIN
+
+        def run(*a):
+            return jax.lax.fori_loop(0, reps, lambda _, q: self.call(a, opts, tuning, q).out,
+                                     a[0])
+        return harness.compiled(run, *args), reps
 
     def check(self, case, args, opts, kernel_with_prior) -> dict:
         """Native kernel vs reference (out, lse and the RESA prior); raises when wrong."""
         got = kernel_with_prior(*args)
         want = jax.jit(lambda *a: sparse_decode_attention_reference(
-            *a[:7], **opts, prior_query=a[7]))(*args)
+            *a[:7], **opts, **self.prior_opts(a)))(*args)
         err = {"out_err": max_row_rel_error(got.out, want.out),
                "lse_err": float(jnp.max(jnp.abs(got.lse - want.lse))),
                "prior_err": max_row_rel_error(got.prior[1], want.prior[1]),
@@ -215,7 +253,8 @@ class Bench:
         return best_config
 
     def measure(self, case, context, batch, args, opts, config, floor, gathered_tokens, **extra):
-        """Checks, then times the kernel with and without the prior; appends two rows."""
+        """Checks, then times the kernel with and without the prior; appends two rows (and on
+        the direct path the `isolate_prior` rows)."""
         tuning = self.tuning_for(args, opts, config)
         args_prior = (*args, args[0] * 0.5)
         try:
@@ -236,7 +275,70 @@ class Bench:
                                      **common))
         self.rows.append(harness.row(case + "+prior", ms=ms_prior,
                                      ratio_to_no_prior=round(ms_prior / ms, 3), **common))
+        if common["num_splits"] == 1:
+            try:
+                self.isolate_prior(case, args_prior, opts, config, ms, ms_prior, common)
+            except Exception as e:  # diagnostics only: never lose the family's other rows
+                traceback.print_exc()
+                print(f"!!! {case} at {context}: prior isolation failed: {e}")
         return ms
+
+    def isolate_prior(self, case, args_prior, opts, config, ms, ms_prior, common):
+        """The prior's cost on the direct path taken apart (see the module docstring); the
+        knob variants only at the first direct case of a family (`self.prior_swept`).
+        ms, ms_prior: the per-call times without and with the prior at `config`."""
+        if time.monotonic() > self.deadline - 60 or (self.smoke and self.prior_swept):
+            print(f"  isolate {case}: skipped ({'smoke: once' if self.smoke else 'time budget'})")
+            return
+        tuning = common["tuning"]
+        args = args_prior[:7]
+        bound = jnp.maximum(args[4] - PRIOR_GAP, 0)  # a separate array: the mask is applied
+        with_bound = (*args_prior, bound)
+        err = self.check(case + "+prior_bound", with_bound, opts,
+                         self.kernel(with_bound, opts, tuning))
+
+        def add(suffix, ms_variant, base_ms, **extra):
+            self.rows.append(harness.row(case + suffix, ms=ms_variant,
+                                         ratio_to_no_prior=round(ms_variant / base_ms, 3),
+                                         **{**common, **extra}))
+            print(f"  isolate {case}{suffix}: {ms_variant:.4f} ms "
+                  f"({ms_variant / base_ms:.3f}x without the prior)")
+
+        add("+prior_bound", self.time(self.kernel(with_bound, opts, tuning), *with_bound), ms,
+            prior_gap=PRIOR_GAP, **{"bound_" + k: v for k, v in err.items() if "prior" in k})
+        add("+prior/out_lse", self.time(self.kernel(args_prior, opts, tuning, out_lse_only=True),
+                                        *args_prior), ms)
+        per_call = {}
+        for suffix, a in (("", args), ("+prior", args_prior), ("+prior_bound", with_bound)):
+            fn, reps = self.chained(a, opts, tuning)
+            per_call[suffix] = self.time(fn, *a) / reps
+            if suffix:
+                add(suffix + "/chained", per_call[suffix], per_call[""], chained=reps)
+        self.rows.append(harness.row(case + "/chained", ms=per_call[""], **common,
+                                     chained=reps))
+
+        family = case.split("/")[0]
+        if family in self.prior_swept or time.monotonic() > self.deadline - 90:
+            return
+        self.prior_swept.add(family)
+        variants = [{**config, "prefetch": not config["prefetch"]},
+                    {**config, "block_n": 32}, {**config, "num_warps": 8}][:1 if self.smoke else 3]
+        tried = [{**tuning, "ms": round(ms, 4), "ms_prior": round(ms_prior, 4)}]
+        for variant in variants:
+            t = self.tuning_for(args, opts, {**variant, "splits": 1, "split_tokens": None})
+            if self.num_splits(args, opts, t) != 1:
+                continue
+            t_ms = self.time(self.kernel(args, opts, t), *args)
+            t_prior = self.time(self.kernel(args_prior, opts, t), *args_prior)
+            tried.append({**t, "ms": round(t_ms, 4), "ms_prior": round(t_prior, 4)})
+            print(f"  prior sweep {case} {t}: {t_ms:.4f} ms, {t_prior:.4f} ms with the prior "
+                  f"({t_prior / t_ms:.3f}x)")
+        for entry in tried:
+            entry["ratio_to_no_prior"] = round(entry["ms_prior"] / entry["ms"], 3)
+        best = min(tried, key=lambda e: e["ms_prior"])
+        self.rows.append(harness.row(case + "+prior/sweep", ms=best["ms_prior"], **{
+            **common, "configs_tried": tried, "best": best}))
+        add("+prior@best", best["ms_prior"], min(e["ms"] for e in tried), best_tuning=best)
 
     # --- case families -------------------------------------------------------------------
 
@@ -350,7 +452,8 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     timed = [r for r in rows if r.get("ratio_to_floor") is not None and "/sweep" not in r["case"]
-             and r["case"] != "kascade/xla_gather"]
+             and r["case"] != "kascade/xla_gather" and "/chained" not in r["case"]
+             and "/out_lse" not in r["case"]]
     labels = [f"{r['case']} {r['context'] // 1024}k" if r["context"] >= 1024
               else f"{r['case']} {r['context']}" for r in timed]
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(16, 6))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.extend.core import jaxprs_in_params
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.sparse_attention import (
@@ -27,12 +28,14 @@ TUNINGS = {"split": SMALL_TUNING, "direct": DIRECT_TUNING}
 
 def make_case(seed, *, batch=2, q_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=6,
               lengths=None, groups="kv", k_max=10, unit="token", head_map="random",
-              dense="none", prior=False, dtype=jnp.float32, budget=None):
+              dense="none", prior=False, dtype=jnp.float32, budget=None, prior_bound="random"):
     """Random paged cache with a shuffled page table and random sorted selections.
 
     groups: "shared" (G=1), "kv" (G=HK), "q" (G=HQ); unit: "token", "page" or "block" (2 pages);
     head_map (G=HK): "random" (many-to-one) or "none" (identity); dense: "none"
-    (dense_heads=None), "zero", "some" (random), "all".
+    (dense_heads=None), "zero", "some" (random), "all". prior_bound (with prior): "random"
+    (a random prior_length 70% of the time, else the default), "default" (None), "lengths"
+    (the lengths array itself), "copy" (a distinct array equal to lengths), "given" (random).
     """
     rng = np.random.default_rng(seed)
     span = max_pages * page_size
@@ -71,8 +74,14 @@ def make_case(seed, *, batch=2, q_heads=8, kv_heads=2, head_dim=64, page_size=8,
         opts["dense_heads"] = jnp.asarray(mask)
     if prior:
         opts["prior_query"] = jnp.asarray(rng.standard_normal((batch, q_heads, head_dim)), dtype)
-        if rng.random() < 0.7:  # else the default, lengths
+        if prior_bound == "random":
+            prior_bound = "given" if rng.random() < 0.7 else "default"
+        if prior_bound == "given":
             opts["prior_length"] = jnp.asarray(rng.integers(0, span + 1, batch), jnp.int32)
+        elif prior_bound == "lengths":
+            opts["prior_length"] = case["lengths"]
+        elif prior_bound == "copy":
+            opts["prior_length"] = jnp.array(case["lengths"], copy=True)
     return case, opts
 
 
@@ -161,6 +170,24 @@ def kernel_path(case, opts, **tuning) -> str:
     return re.search(r"sparse_decode_\w+_unit\d+_(direct|split)", jaxpr).group(1)
 
 
+def kernel_operands(case, opts, **tuning) -> int:
+    """Operands of the call's pallas_call, traced with `case` as one argument (so that an
+    opts entry that *is* case["lengths"] stays the same traced value)."""
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                return len(eqn.invars)
+            for sub in jaxprs_in_params(eqn.params):
+                if (n := find(sub)) is not None:
+                    return n
+        return None
+
+    def call(c):
+        o = {k: c["lengths"] if v is case["lengths"] else v for k, v in opts.items()}
+        return run(c, o, "pallas", True, **tuning)
+    return find(jax.make_jaxpr(call)(case).jaxpr)
+
+
 @pytest.mark.parametrize("groups,unit,dense,prior", [
     ("kv", "token", "none", False), ("shared", "page", "some", True),
     ("q", "block", "zero", True), ("kv", "block", "all", False), ("q", "token", "some", False),
@@ -233,6 +260,30 @@ def test_direct_write_path(interpret, unit, dtype):
     got = run(case, opts, "pallas", interpret, **DIRECT_TUNING)
     assert got.out.dtype == dtype and got.lse.dtype == jnp.float32
     assert_close(got, numpy_oracle(case, opts), dtype, prior=True)
+
+
+@pytest.mark.parametrize("path", ["split", "direct"])
+@pytest.mark.parametrize("bound", ["default", "lengths", "copy", "given"])
+def test_prior_bound(interpret, bound, path):
+    """prior_length omitted or the lengths array itself: the bound is implied by the
+    attended positions (< length), the kernel takes no prior_length operand and applies no
+    prior mask. Any other array (even one equal to lengths) is applied per prior row. All
+    agree with the oracle; "given" has bounds below the lengths, so the mask matters."""
+    case, opts = make_case(22, batch=4, groups="kv", unit="token", prior=True, prior_bound=bound,
+                           dtype=jnp.bfloat16, lengths=[1, 17, 40, 48], k_max=40)
+    if bound == "given":
+        opts["prior_length"] = jnp.asarray([0, 9, 33, 47], jnp.int32)
+    without = {k: v for k, v in opts.items() if k != "prior_length"}
+    extra = 0 if bound in ("default", "lengths") else 1
+    assert (kernel_operands(case, opts, **TUNINGS[path])
+            == kernel_operands(case, without, **TUNINGS[path]) + extra)
+    got = jax.jit(lambda c: run(c, {k: c["lengths"] if v is case["lengths"] else v
+                                    for k, v in opts.items()}, "pallas", interpret,
+                                **TUNINGS[path]))(case)
+    want = numpy_oracle(case, opts)
+    assert_close(got, want, jnp.bfloat16, prior=True)
+    if bound == "given":  # the bound changes the prior partial: the mask is not a no-op
+        assert max_row_rel_error(got.prior[1], numpy_oracle(case, without).prior[1]) > 0.1
 
 
 def test_default_split_rule():
@@ -369,6 +420,25 @@ def test_lowers_for_cuda(groups, unit, dense, prior, shape, path):
     _lower_and_check_grid(case, opts, dict(split_tokens=64 if path == "split" else 2**16), path)
 
 
+@pytest.mark.parametrize("bound", ["lengths", "given"])
+@pytest.mark.parametrize("groups,unit,path", [("kv", "token", "direct"),
+                                              ("shared", "page", "direct"),
+                                              ("q", "block", "split")])
+def test_lowers_for_cuda_prior_bound(groups, unit, path, bound):
+    """The prior with and without its mask (prior_length = the lengths array itself, or a
+    separate array) through the Triton lowering, at the benchmark's knobs: one fewer kernel
+    operand without the mask."""
+    texts = {}
+    for b in (bound, "default"):
+        case, opts = make_case(7, batch=4, groups=groups, unit=unit, prior=True, prior_bound=b,
+                               k_max=64, max_pages=32, **BF16_32x8)
+        tuning = dict(prefetch=False, split_tokens=128 if path == "split" else 2**16)
+        texts[b] = _lower_and_check_grid(case, opts, tuning, path)
+    operands = {b: len(re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", t)
+                       .group(1).split(",")) for b, t in texts.items()}
+    assert operands[bound] == operands["default"] + (bound == "given")
+
+
 @pytest.mark.parametrize("groups,unit,dense,prior,path,tuning", [
     ("kv", "token", "none", True, "direct", dict(block_n=32, prefetch=False)),
     ("shared", "page", "some", False, "split", dict(block_n=128, num_warps=8, prefetch=False)),
@@ -384,14 +454,22 @@ def test_lowers_for_cuda_sweep_knobs(groups, unit, dense, prior, path, tuning):
 
 
 def _lower_and_check_grid(case, opts, tuning, path):
-    names = list(case) + list(opts)[1:]
-    fn = lambda *args: sparse_decode_attention(  # noqa: E731
-        **dict(zip(names, args)), unit=opts["unit"], backend="pallas", interpret=False,
-        **tuning)
-    text = lower_for_cuda(fn, *case.values(), *list(opts.values())[1:])
+    """Lowers for CUDA (an opts entry that is case["lengths"] itself stays that traced
+    value), checks one kernel on the expected path; returns the StableHLO text."""
+    same = [k for k, v in opts.items() if v is case["lengths"]]
+    extra = {k: v for k, v in opts.items() if k != "unit" and k not in same}
+    names = list(case) + list(extra)
+
+    def fn(*args):
+        kwargs = dict(zip(names, args))
+        kwargs.update({k: kwargs["lengths"] for k in same})
+        return sparse_decode_attention(**kwargs, unit=opts["unit"], backend="pallas",
+                                       interpret=False, **tuning)
+    text = lower_for_cuda(fn, *case.values(), *extra.values())
     grid_y = [int(g) for g in re.findall(r"grid_y = (\d+)", text)]
     assert len(grid_y) == 1, "one Triton kernel per call"
     assert (grid_y[0] == 1) == (path == "direct")
+    return text
 
 
 def _bad(name, fn):
