@@ -328,7 +328,8 @@ class Lychee:
         L, HK = config.num_layers, config.num_kv_heads
         mask = np.array(self.retrieval_heads, bool)
         if mask.shape != (L, HK):
-            raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected [{L}, {HK}]")
+            raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected [{L}, {HK}] "
+                             "([layers, kv_heads] of this model; gates trained for another model?)")
         mask[0] = True   # layer 0 is all retrieval
         p = _page_size("Lychee", None, page_size)
         roles = tuple(Role.SELECT if r.all() else Role.REUSE if not r.any() else Role.HYBRID

@@ -1,0 +1,633 @@
+"""LycheeDecode's retrieval-head gates: HardKuma distillation training, Orbax checkpoints, and the
+gate files `methods.Lychee(gates=PATH)` reads.
+
+    state = train_gates(model, PasskeyData(tokenizer), target_retrieval_heads=8)
+    save_gates(state, "gates.json")
+    sparsejax.generate(model, ids, method=sparsejax.methods.Lychee(gates="gates.json"), ...)
+
+    sparsejax train-gates --model DIR --target-heads N --steps S --out DIR [--data FILE]
+        [--budget-ratio R] [--loss logits|hidden] [--checkpoint-dir DIR] [--seed S]
+
+Gates. Every KV head of layers 1..L-1 has a gate z ~ HardKuma(a, b) (`sparsejax.train.hardkuma`);
+layer 0 is all retrieval and has none, and the head budget counts gated heads only (G of them).
+a and b start at 1 (a uniform Kuma) and are trained as log a, log b (exp keeps them positive),
+projected after every step onto [-LOG_BOUND, LOG_BOUND] = [-1.5, 1.5]. The box keeps every gate
+movable both ways: P(z != 0) = (1 - 12^-a)^b saturates exponentially in a, so a gate pushed to
+a = 10 has an E[L0] gradient of 4e-10 and no multiplier could switch it off again, and a gate
+pushed deep towards z = 0 never samples z > 0, so the distillation loss could never switch it
+back on. At the box's corners an "on" gate has E[z] = 0.963 (P(z = 1) = 0.78) and an E[L0]
+gradient of 4e-5; an "off" gate has E[z] = 0.002 and samples z > 0 2% of the time (so each
+off gate still adds 0.02 to E[L0]). The reference code clamps a, b to [1e-6, 100] inside the
+loss, against NaNs. After training a head is a retrieval head when its HardKuma mean E[z] > 0.5.
+
+Student (one step). Run the teacher, the dense model, once over prompt + targets (jitted); it
+gives the targets' logits (or final-normed hidden states) and the prompt's keys and values.
+Then run the student only at the target positions, over those shared prompt keys/values plus
+its own keys/values of the targets (causal). In each layer every KV head computes dense
+attention and sparse attention and outputs z * dense + (1 - z) * sparse (z = 1 at layer 0);
+the sparse attention of layer l reads the token set chosen from layer l-1's dense attention of
+the same KV head. That is the reference code's training rule (modeling_*_train.py: every layer
+computes its top-k from its full attention and hands it to the next layer), whatever the gates
+of layer l-1 are; at inference only retrieval heads refresh the set and sparse heads read the
+latest earlier retrieval head's set. The set itself is chosen as at inference, by the Lychee
+selector (`selection.select` -> `topk_select`): the group-mean query's logits per KV head, the
+budget (default Ratio(0.3), the paper's 30%), sinks and recent window forced in; the reference
+code picks per query head. One z per head and step is shared by the batch, as in the reference.
+
+Loss. Mean squared error between student and teacher over the target tokens: logits (the
+paper's eq. 6) or final hidden states after the final norm (the reference code's
+last_hidden_state), averaged over features and real target tokens. The head budget enters as
+the paper's min-max Lagrangian (eq. 7),
+
+    min_{a,b} max_{lam >= 0}  L_distill / D0 + lam * (E[L0] - N_target) / G,
+
+with the multiplier in units of D0 / G (eq. 7's lam is lam * D0 / G): D0 is the distillation
+loss of step 0, so that one lambda_lr suits any model, loss kind and head count. AdamW (weight
+decay 0, as the reference) descends on log a, log b with the reference's schedule: lr rises
+from 0.1 lr to lr over the first 20% of the steps and falls back to 0.1 lr over the last 20%.
+In the same step lam ascends by exponentiated gradient, i.e. gradient ascent on log lam (the
+reference code's update form, without its one-sided relu, moving average and [1e-12, 20] clamp):
+
+    lam <- lam * exp(lambda_lr * f(step) * (E[L0] - N_target) / G),   lam = 1 at the start,
+
+f being the schedule's factor, so lam and the gates move on one time scale. lam rises while
+more than N_target heads are expected on and falls while fewer are; it stays in eq. 7's domain
+lam > 0 without a clamp, and reaches the scale a model needs in logarithmically many steps. (A
+fixed additive step would have to match that unknown scale: too small and every gate saturates
+"on" before lam matters, too large and lam overshoots and switches every gate off.)
+
+Checkpoints (Orbax, written atomically by its CheckpointManager): every `checkpoint_every`
+steps and at the end, the whole GateState (params, optimizer state, lam, D0, step, RNG key)
+plus a JSON record of the settings and the gates. The sample key of step s is fold_in(key, s) and
+batch s is `data.batch(s)`, so the step is also the data position: a run resumed from its
+latest checkpoint ends bitwise equal to an uninterrupted one.
+
+Gate files `load_retrieval_heads(path)` reads, each -> [layers, kv_heads] bool, layer 0 True:
+  * this module's JSON (`save_gates`), or a directory holding gates.json;
+  * a `train_gates` checkpoint directory (Orbax; its latest step);
+  * the reference code's output directory: full_head.pt when present (what its inference
+    loads), else a.pt / b.pt thresholded at HardKuma mean > 0.5 (needs torch);
+  * DuoAttention's full_attention_heads.tsv (or its directory): per layer a row of per-KV-head
+    full-attention scores, clipped to [0, 1]; retrieval where score >= `threshold` (0.5,
+    DuoAttention's default --threshold).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sparsejax import selection
+from sparsejax.methods import Lychee, Ratio
+from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
+                              unembed)
+from sparsejax.models.decoder import rms_norm
+from sparsejax.pallas_kernels.sparse_attention import attended_mask
+from sparsejax.plan import Budget, SparsePlan
+
+from . import hardkuma
+from .passkey import GateBatch, PasskeyData
+
+LOSSES = ("logits", "hidden")
+LOG_BOUND = 1.5       # log a and log b are projected onto [-LOG_BOUND, LOG_BOUND]
+GATES_FILE = "gates.json"
+FORMAT = "sparsejax-gates/1"
+
+
+# ---- settings and state ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GateTraining:
+    """Everything besides the model and data that determines a run (hashable: one compile)."""
+    target: float
+    steps: int
+    lr: float
+    lambda_lr: float
+    budget: Budget
+    sinks: int
+    recent: int
+    block: int
+    loss: str
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GateTraining":
+        return cls(**{**d, "budget": Budget(**d["budget"])})
+
+
+@flax.struct.dataclass
+class GateState:
+    step: jax.Array       # int32 scalar: steps done (= batches read)
+    params: dict          # {"log_a", "log_b"}: [layers - 1, kv_heads] float32
+    opt_state: Any
+    lam: jax.Array        # float32 scalar: the Lagrange multiplier, in units of scale / G
+    scale: jax.Array      # float32 scalar: D0, the distillation loss of step 0 (0 before)
+    rng: jax.Array        # uint32 key data; step s samples with fold_in(key, s)
+    target: float = flax.struct.field(pytree_node=False)
+    fingerprint: str = flax.struct.field(pytree_node=False, default="")
+
+    @property
+    def a(self) -> jax.Array:
+        return jnp.exp(self.params["log_a"])
+
+    @property
+    def b(self) -> jax.Array:
+        return jnp.exp(self.params["log_b"])
+
+    def mean(self) -> np.ndarray:
+        """E[z] per gated head, [layers - 1, kv_heads]."""
+        return np.asarray(hardkuma.mean(self.a, self.b))
+
+    def expected_l0(self) -> float:
+        return float(hardkuma.expected_l0(self.a, self.b))
+
+    def retrieval_heads(self) -> np.ndarray:
+        """[layers, kv_heads] bool: layer 0, and every head with E[z] > 0.5."""
+        gated = self.mean() > 0.5
+        return np.concatenate([np.ones((1, gated.shape[1]), bool), gated])
+
+
+def _warmup_cooldown(steps: int):
+    """The reference code's schedule factor: 0.1 -> 1 over the first fifth of the steps, 1,
+    then back to 0.1 over the last fifth."""
+    ramp = max(steps // 5, 1)
+
+    def factor(count):
+        up = jnp.maximum((count + 1) / ramp, 0.1)
+        down = jnp.maximum((steps - count) / ramp, 0.1)
+        return jnp.minimum(1.0, jnp.minimum(up, down))
+
+    return factor
+
+
+def _optimizer(training: GateTraining):
+    factor = _warmup_cooldown(training.steps)
+    return optax.adamw(lambda count: training.lr * factor(count), weight_decay=0.0)
+
+
+def init_gate_state(num_layers: int, num_kv_heads: int, training: GateTraining, seed: int,
+                    fingerprint: str = "") -> GateState:
+    """a = b = 1 (a uniform Kuma) for every KV head of layers 1..L-1, lam = 1."""
+    shape = (num_layers - 1, num_kv_heads)
+    params = {"log_a": jnp.zeros(shape, jnp.float32), "log_b": jnp.zeros(shape, jnp.float32)}
+    return GateState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=_optimizer(training).init(params),
+                     lam=jnp.ones((), jnp.float32), scale=jnp.zeros((), jnp.float32),
+                     rng=jax.random.key_data(jax.random.key(seed)),
+                     target=float(training.target), fingerprint=fingerprint)
+
+
+def model_fingerprint(model: Model) -> str:
+    """A short hash of the config and a sample of the weights (every norm, ~64 embedding rows):
+    tells gates of different checkpoints apart without hashing every weight."""
+    p = model.params
+    h = hashlib.sha256(json.dumps(model.config.to_hf_dict(), sort_keys=True).encode())
+    step = max(1, p["embed"].shape[0] // 64)
+    for x in (p["embed"][::step], p["final_norm"], p["layers"]["attn_norm"],
+              p["layers"]["mlp_norm"]):
+        h.update(np.asarray(x, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- teacher and student --------------------------------------------------------------------
+def features(model: Model, hidden: jax.Array, loss: str) -> jax.Array:
+    """What the loss compares: logits, or the final hidden states after the final norm."""
+    if loss == "logits":
+        return unembed(model, hidden)
+    c = model.config
+    return rms_norm(hidden, model.params["final_norm"], c.rms_norm_eps).astype(jnp.float32)
+
+
+def teacher(model: Model, batch: GateBatch, loss: str):
+    """The dense model over prompt + targets -> (keys, values [L, B, W, HK, D], features of the
+    target positions [B, A, F])."""
+    lengths = batch.prompt_lengths + batch.target_positions.shape[1]
+    out = forward(model, batch.tokens, lengths)
+    hidden = jnp.take_along_axis(out.hidden, batch.target_positions[..., None], axis=1)
+    return out.keys, out.values, features(model, hidden, loss)
+
+
+def student(model: Model, plan: SparsePlan, batch: GateBatch, keys: jax.Array,
+            values: jax.Array, z: jax.Array) -> jax.Array:
+    """The hybrid model's final hidden states [B, A, H] at the target positions.
+
+    keys, values [L, B, W, HK, D]: the teacher's; the prompt part is shared, the target part
+    is replaced layer by layer with the student's own. z [L, HK]: each KV head's mix weight.
+    """
+    c = model.config
+    B, W = batch.tokens.shape
+    A = batch.target_positions.shape[1]
+    pos = batch.target_positions                                                  # [B, A]
+    rows = jnp.arange(B)[:, None]
+    visible = jnp.arange(W)[None, None, :] <= pos[:, :, None]                    # [B, A, W]
+    slot = jnp.arange(W)[None, :] - batch.prompt_lengths[:, None]                # [B, W]
+    own = ((slot >= 0) & (slot < A))[..., None, None]   # key positions of the student's tokens
+    slot = jnp.clip(slot, 0, A - 1)
+    row_lengths = (pos + 1).reshape(-1)                                           # [B * A]
+    group = c.num_heads // c.num_kv_heads
+
+    def layer(carry, xs):
+        h, selected = carry                                # selected [B, HQ, A, W] bool
+        lp, k_cache, v_cache, z_layer = xs
+        q, k, v = attention_inputs(c, lp, h, pos)
+        k_all = jnp.where(own, k[rows, slot], k_cache)                          # [B, W, HK, D]
+        v_all = jnp.where(own, v[rows, slot], v_cache)
+        dense = jax.nn.dot_product_attention(q, k_all, v_all, mask=visible[:, None])
+        sparse = jax.nn.dot_product_attention(q, k_all, v_all, mask=selected & visible[:, None])
+        w = jnp.repeat(z_layer, group)[:, None]                                  # [HQ, 1]
+        out = w * dense.astype(jnp.float32) + (1 - w) * sparse.astype(jnp.float32)
+        h = finish_layer(c, lp, h, out.astype(q.dtype))
+        return (h, _selection_mask(plan, c, q, k_all, visible, row_lengths)), None
+
+    h = embed(model, jnp.take_along_axis(batch.tokens, pos, axis=1))
+    everything = jnp.ones((B, c.num_heads, A, W), bool)   # layer 0 (z = 1) inherits no set
+    (h, _), _ = jax.lax.scan(layer, (h, everything), (model.params["layers"], keys, values, z))
+    return h
+
+
+def _selection_mask(plan, config, q, k_all, visible, row_lengths):
+    """The next layer's token sets, chosen as Lychee's retrieval heads choose them: top-k of the
+    group-mean query's logits per KV head -> [B, HQ, A, W] bool. Integer-valued: no gradient."""
+    B, A, HQ, D = q.shape
+    _, W, HK, _ = k_all.shape
+    q, k_all = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k_all)
+    qbar = jnp.mean(q.astype(jnp.float32).reshape(B, A, HK, HQ // HK, D), axis=3)
+    scores = jnp.einsum("bahd,bshd->bahs", qbar, k_all.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST) / math.sqrt(D)
+    scores = jnp.where(visible[:, :, None, :], scores, -jnp.inf).reshape(B * A, HK, W)
+    sel = selection.select(plan, config, scores, row_lengths, W)
+    mask = attended_mask(sel.indices, sel.count, row_lengths, num_positions=W, num_heads=HQ,
+                         num_kv_heads=HK, unit=plan.selector.unit)
+    return mask.reshape(B, A, HQ, W).transpose(0, 2, 1, 3)
+
+
+def _plan(config: ModelConfig, training: GateTraining) -> SparsePlan:
+    """Lychee's plan with every head retrieving: its selector is the one training uses."""
+    heads = np.ones((config.num_layers, config.num_kv_heads), bool)
+    return Lychee(heads, budget=training.budget, sinks=training.sinks, recent=training.recent,
+                  block=training.block).to_plan(config)
+
+
+# ---- one step -------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=8)
+def _compiled(config: ModelConfig, training: GateTraining):
+    """(jitted teacher, jitted step with the state donated) for this model shape and run."""
+    plan = _plan(config, training)
+    optimizer = _optimizer(training)
+    target = training.target
+
+    def objective(params, state, key, model, batch, keys, values, wanted):
+        a, b = jnp.exp(params["log_a"]), jnp.exp(params["log_b"])
+        z = jnp.concatenate([jnp.ones((1, a.shape[1])), hardkuma.sample(key, a, b)])
+        got = features(model, student(model, plan, batch, keys, values, z), training.loss)
+        err = jnp.mean(jnp.square(got - wanted), axis=-1)                            # [B, A]
+        mask = batch.target_mask
+        distill = jnp.sum(err * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        scale = jnp.where(state.step == 0, jnp.maximum(jax.lax.stop_gradient(distill), 1e-30),
+                          state.scale)
+        l0 = hardkuma.expected_l0(a, b)
+        gated = a.size
+        return distill / scale + state.lam * (l0 - target) / gated, (distill, l0, scale)
+
+    def step(state: GateState, model, batch, keys, values, wanted):
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+        (_, (distill, l0, scale)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state.params, state, key, model, batch, keys, values, wanted)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = jax.tree.map(lambda p: jnp.clip(p, -LOG_BOUND, LOG_BOUND),
+                              optax.apply_updates(state.params, updates))
+        rate = training.lambda_lr * _warmup_cooldown(training.steps)(state.step)
+        lam = state.lam * jnp.exp(rate * (l0 - target) / params["log_a"].size)
+        heads = jnp.sum(hardkuma.mean(jnp.exp(params["log_a"]), jnp.exp(params["log_b"])) > 0.5)
+        metrics = {"loss": distill, "expected_l0": l0, "lambda": lam, "heads": heads}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                             lam=lam, scale=scale), metrics
+
+    return (jax.jit(functools.partial(teacher, loss=training.loss)),
+            jax.jit(step, donate_argnums=0))
+
+
+# ---- training -------------------------------------------------------------------------------
+def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int = 3000,
+                lr: float = 0.01, lambda_lr: float = 0.02, budget: Budget = Ratio(0.3),
+                sinks: int = 128, recent: int = 256, block: int = 1, loss: str = "logits",
+                seed: int = 0, checkpoint_dir: str | Path | None = None,
+                checkpoint_every: int = 100, progress: bool = True,
+                callback: Callable[[int, dict], None] | None = None) -> GateState:
+    """Train HardKuma head gates of the frozen `model` so that about `target_retrieval_heads`
+    KV heads of layers 1..L-1 become retrieval heads (see the module docstring).
+
+    data: `PasskeyData`, or any object with `batch(step) -> GateBatch` (same shapes every
+      step, a pure function of step) and `describe() -> dict` (JSON; compared on resume).
+    lr: AdamW's peak learning rate on log a, log b; lambda_lr: the multiplier's step on
+      log lam (both follow the warm-up / cool-down schedule).
+    budget, sinks, recent, block: the sparse heads' token sets, as `methods.Lychee` takes them
+      (use the values you will decode with).
+    loss: "logits" (the paper) or "hidden" (final hidden states, the reference code).
+    checkpoint_dir: Orbax checkpoints every `checkpoint_every` steps and at the end; a run
+      resumes from the latest one there (it must hold a run of the same settings).
+    callback: called after every step with (steps done, {"loss", "expected_l0", "lambda",
+      "heads"}) as floats; "heads" counts gated heads with E[z] > 0.5.
+    """
+    c = model.config
+    if c.num_layers < 2:
+        raise ValueError(f"the model has {c.num_layers} layer: gates need layers >= 1")
+    gated = (c.num_layers - 1) * c.num_kv_heads
+    if not 0 <= target_retrieval_heads <= gated:
+        raise ValueError(f"target_retrieval_heads={target_retrieval_heads}: expected 0..{gated} "
+                         f"(KV heads of layers 1..{c.num_layers - 1})")
+    for name, value in (("steps", steps), ("checkpoint_every", checkpoint_every)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    for name, value in (("lr", lr), ("lambda_lr", lambda_lr)):
+        if not value > 0:
+            raise ValueError(f"{name}={value!r}: expected > 0")
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
+    training = GateTraining(float(target_retrieval_heads), steps, float(lr), float(lambda_lr),
+                            budget, int(sinks), int(recent), int(block), loss)
+    teacher_fn, step_fn = _compiled(c, training)   # also validates budget/sinks/recent/block
+    meta = {"training": training.to_json(), "data": data.describe(),
+            "fingerprint": model_fingerprint(model), "seed": int(seed),
+            "shape": [c.num_layers, c.num_kv_heads]}
+    state = init_gate_state(c.num_layers, c.num_kv_heads, training, seed, meta["fingerprint"])
+    manager = None
+    if checkpoint_dir is not None:
+        manager = _manager(checkpoint_dir, checkpoint_every)
+        if manager.latest_step() is not None:
+            state, stored = _restore(manager, state)
+            changed = sorted(k for k in meta if stored.get(k) != meta[k])
+            if changed:
+                raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} holds a run with other "
+                                 f"{', '.join(changed)}: resume with the same settings or use "
+                                 "another directory")
+    bar = _progress(steps, int(state.step), progress)
+    shapes = None
+    try:
+        for s in range(int(state.step), steps):
+            batch = _checked_batch(data, s, shapes)
+            shapes = [x.shape for x in batch]
+            state, metrics = step_fn(state, model, batch, *teacher_fn(model, batch))
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            bar.update(1)
+            bar.set_postfix_str(f"loss={metrics['loss']:.4g} E[L0]={metrics['expected_l0']:.2f} "
+                                f"λ={metrics['lambda']:.3g} heads={int(metrics['heads'])}",
+                                refresh=False)
+            if callback is not None:
+                callback(s + 1, metrics)
+            if manager is not None and (s + 1) % checkpoint_every == 0:
+                _save(manager, state, meta)
+    finally:
+        bar.close()
+        if manager is not None:     # an interrupted run still finishes its last checkpoint
+            manager.wait_until_finished()
+    if manager is not None:
+        if int(state.step) not in manager.all_steps():
+            _save(manager, state, meta, force=True)
+        manager.wait_until_finished()
+    return state
+
+
+def _checked_batch(data, step: int, shapes) -> GateBatch:
+    """data.batch(step) on the device, after checking that every row's prompt and targets fit
+    its width and that its shapes are those of the batches before (`shapes`, None at first)."""
+    batch = GateBatch(*(np.asarray(x) for x in data.batch(step)))
+    if shapes is not None and [x.shape for x in batch] != shapes:
+        raise ValueError(f"data.batch({step}) has shapes {[x.shape for x in batch]}; earlier "
+                         f"batches {shapes}: expected the same every step")
+    width, targets = batch.tokens.shape[1], batch.target_positions.shape[1]
+    if int(batch.prompt_lengths.max()) + targets > width:
+        raise ValueError(f"data.batch({step}): a {int(batch.prompt_lengths.max())}-token prompt "
+                         f"and {targets} target slots exceed the batch width {width}")
+    return GateBatch(*(jnp.asarray(x) for x in batch))
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True,
+                mininterval=2.0 if sys.stdout.isatty() else 30.0, file=sys.stdout,
+                desc="gates")
+
+
+# ---- checkpoints ----------------------------------------------------------------------------
+def _manager(directory: str | Path, every: int | None = None):
+    """Orbax's manager of `directory`: saving every `every` steps, or only reading (None:
+    then it does not create the directory)."""
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(save_interval_steps=every or 1, max_to_keep=3,
+                                           create=every is not None)
+    return ocp.CheckpointManager(Path(directory).resolve(), options=options)
+
+
+def _save(manager, state: GateState, meta: dict, force: bool = False) -> None:
+    import orbax.checkpoint as ocp
+
+    step = int(state.step)
+    record = {**meta, "step": step, "gates": gate_record(state)}
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                               meta=ocp.args.JsonSave(record)), force=force)
+
+
+def _restore(manager, like: GateState) -> tuple[GateState, dict]:
+    import orbax.checkpoint as ocp
+
+    abstract = jax.eval_shape(lambda: like)
+    out = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    leaves = jax.tree.leaves(out.state)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves), out.meta
+
+
+def _latest_meta(directory: str | Path) -> dict | None:
+    """The JSON record of a checkpoint directory's latest step, or None without checkpoints."""
+    import orbax.checkpoint as ocp
+
+    manager = _manager(directory)
+    if manager.latest_step() is None:
+        return None
+    meta = manager.restore(manager.latest_step(),
+                           args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    if not isinstance(meta, dict) or "gates" not in meta:
+        raise ValueError(f"{directory} holds Orbax checkpoints, but not of train_gates")
+    return meta
+
+
+def restore_gate_state(checkpoint_dir: str | Path) -> GateState:
+    """The GateState of the latest checkpoint in a `train_gates` checkpoint directory."""
+    meta = _latest_meta(checkpoint_dir)
+    if meta is None:
+        raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} holds no gate checkpoint")
+    like = init_gate_state(*meta["shape"], GateTraining.from_json(meta["training"]),
+                           meta["seed"], meta["fingerprint"])
+    return _restore(_manager(checkpoint_dir), like)[0]
+
+
+# ---- gate files -----------------------------------------------------------------------------
+def gate_record(state: GateState) -> dict:
+    """The gates as JSON: retrieval_heads [layers][kv_heads], a and b of layers 1..L-1, the
+    HardKuma means, E[L0], the target, lam, the step and the model fingerprint."""
+    return {"format": FORMAT, "retrieval_heads": state.retrieval_heads().tolist(),
+            "a": np.asarray(state.a).tolist(), "b": np.asarray(state.b).tolist(),
+            "mean": state.mean().tolist(), "expected_l0": state.expected_l0(),
+            "target": state.target, "lambda": float(state.lam), "step": int(state.step),
+            "fingerprint": state.fingerprint}
+
+
+def save_gates(state: GateState, path: str | Path) -> Path:
+    """Write `gate_record(state)` as JSON (to a temporary file first, then renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(gate_record(state), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_retrieval_heads(path: str | Path, *, threshold: float = 0.5) -> np.ndarray:
+    """[layers, kv_heads] bool retrieval heads (layer 0 True) from any gate file (module
+    docstring); `threshold` applies to DuoAttention scores only."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"gates path {str(path)!r} does not exist")
+    if path.is_dir():
+        for name, reader in ((GATES_FILE, _from_json), ("full_attention_heads.tsv", _from_tsv),
+                             ("full_head.pt", _from_reference), ("a.pt", _from_reference)):
+            if (path / name).exists():
+                heads = reader(path / name, threshold)
+                break
+        else:
+            meta = _latest_meta(path)
+            if meta is None:
+                raise ValueError(
+                    f"gates directory {str(path)!r} holds none of {GATES_FILE}, "
+                    "full_attention_heads.tsv, full_head.pt, a.pt/b.pt, nor an Orbax gate "
+                    "checkpoint")
+            heads = np.asarray(meta["gates"]["retrieval_heads"], bool)
+    elif path.suffix in (".json", ".tsv", ".pt"):
+        reader = {".json": _from_json, ".tsv": _from_tsv, ".pt": _from_reference}[path.suffix]
+        heads = reader(path, threshold)
+    else:
+        raise ValueError(f"gates path {str(path)!r}: expected a .json, .tsv or .pt file, or a "
+                         "directory of gates")
+    if heads.ndim != 2 or heads.shape[0] < 1:
+        raise ValueError(f"gates {str(path)!r} hold shape {heads.shape}: expected "
+                         "[layers, kv_heads]")
+    heads = heads.copy()
+    heads[0] = True
+    return heads
+
+
+def _from_json(path: Path, threshold: float) -> np.ndarray:
+    record = json.loads(path.read_text())
+    if record.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a gate file (format {record.get('format')!r}, expected "
+                         f"{FORMAT!r})")
+    return np.asarray(record["retrieval_heads"], bool)
+
+
+def _from_tsv(path: Path, threshold: float) -> np.ndarray:
+    scores = np.clip(np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2), 0, 1)
+    return scores >= threshold
+
+
+def _from_reference(path: Path, threshold: float) -> np.ndarray:
+    """The reference code's gates in the directory of `path`: full_head.pt ([layers, kv_heads],
+    1.0 = retrieval) when present, else a.pt and b.pt."""
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"reading {path} (the reference code's torch gates) needs torch: "
+                         "pip install torch") from None
+
+    directory = path.parent
+
+    def read(name):
+        if not (directory / name).exists():
+            raise ValueError(f"{directory} has no {name}: expected full_head.pt, or a.pt and b.pt")
+        return torch.load(directory / name, map_location="cpu",
+                          weights_only=True).detach().float().numpy()
+
+    if (directory / "full_head.pt").exists():
+        return read("full_head.pt") > 0.5
+    a, b = read("a.pt"), read("b.pt")
+    return np.asarray(hardkuma.mean(jnp.asarray(a), jnp.asarray(b))) > 0.5
+
+
+# ---- command line ---------------------------------------------------------------------------
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("train-gates", help="train LycheeDecode's HardKuma head gates",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer)")
+    p.add_argument("--target-heads", type=float, required=True,
+                   help="retrieval heads wanted among the KV heads of layers 1..L-1")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--out", required=True, help="directory for gates.json")
+    p.add_argument("--data", default=None, help="filler text file (default: built-in filler)")
+    p.add_argument("--budget-ratio", type=float, default=0.3,
+                   help="sparse heads' token budget as a share of the context")
+    p.add_argument("--sinks", type=int, default=128)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--loss", choices=LOSSES, default="logits")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lambda-lr", type=float, default=0.02)
+    p.add_argument("--min-length", type=int, default=1024, help="shortest prompt (tokens)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest prompt (default: the model's context minus the targets)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="Orbax checkpoints; a run resumes from the latest one there")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import sparsejax
+    from .pretrain import compute_dtype
+
+    model = sparsejax.from_pretrained(args.model, dtype=compute_dtype())
+    tokenizer = sparsejax.load_tokenizer(args.model)
+    data = PasskeyData(tokenizer, min_length=args.min_length,
+                       max_length=args.max_length or args.min_length, filler=args.data,
+                       seed=args.seed)
+    if args.max_length is None:
+        longest = model.config.max_position_embeddings - data.target_width
+        if longest < args.min_length:
+            raise ValueError(f"--min-length {args.min_length} leaves no room for the "
+                             f"{data.target_width} target tokens in the model's "
+                             f"{model.config.max_position_embeddings}-token context")
+        data = dataclasses.replace(data, max_length=longest)
+    c = model.config
+    print(f"sparsejax train-gates: {c.num_layers} layers x {c.num_kv_heads} KV heads, target "
+          f"{args.target_heads:g} retrieval heads; prompts {data.min_length}-{data.max_length} "
+          f"tokens + {data.target_width} target tokens; {jax.default_backend()}", flush=True)
+    state = train_gates(model, data, target_retrieval_heads=args.target_heads, steps=args.steps,
+                        lr=args.lr, lambda_lr=args.lambda_lr, budget=Ratio(args.budget_ratio),
+                        sinks=args.sinks, recent=args.recent, loss=args.loss, seed=args.seed,
+                        checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every=args.checkpoint_every)
+    path = save_gates(state, Path(args.out) / GATES_FILE)
+    heads = state.retrieval_heads()
+    print(f"E[L0] = {state.expected_l0():.2f}, lambda = {float(state.lam):.4g}; "
+          f"{int(heads[1:].sum())} retrieval heads in layers 1..{c.num_layers - 1}:")
+    for layer, row in enumerate(heads):
+        print(f"  layer {layer:3d}  " + " ".join("R" if r else "." for r in row))
+    print(f"wrote {path}")
+    return 0
