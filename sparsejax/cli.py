@@ -14,10 +14,11 @@ import sys
 import time
 
 
-def _method_from_args(args, config):
+def _method_from_args(args, model):
     """Build the method named by --method with its options (and --resa) for this model."""
     from sparsejax import methods as M
 
+    config = model.config
     name = args.method
     if name == "dense":
         method = M.Dense()
@@ -34,13 +35,13 @@ def _method_from_args(args, config):
     elif name == "delta":
         kw = {"delta_layers": tuple(args.layers)} if args.layers else {}
         if args.calibration:
-            method = M.DELTA.from_calibration(args.calibration, budget_pages=args.budget_pages,
+            method = M.DELTA.from_calibration(args.calibration, model, budget_pages=args.budget_pages,
                                               recent_pages=args.recent_pages)
         else:
             method = M.DELTA(budget_pages=args.budget_pages, recent_pages=args.recent_pages, **kw)
     elif name == "kascade":
         if args.calibration:
-            method = M.Kascade.from_calibration(args.calibration, ratio=args.ratio)
+            method = M.Kascade.from_calibration(args.calibration, model, ratio=args.ratio)
         else:
             kw = {"anchor_layers": tuple(args.layers)} if args.layers else {}
             method = M.Kascade(ratio=args.ratio, **kw)
@@ -99,7 +100,7 @@ def cmd_generate(args) -> int:
     model = sparsejax.from_pretrained(args.model, dtype=dtype)
     tok = sparsejax.load_tokenizer(args.model)
     ids = tok(args.prompt)["input_ids"]
-    method = _method_from_args(args, model.config)
+    method = _method_from_args(args, model)
     eos = tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
@@ -135,8 +136,13 @@ def main(argv=None) -> int:
     add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
-    from sparsejax import demo
+    from sparsejax import calibrate, demo, eval as evaluation
+    from sparsejax.train import gates, pretrain
     demo.add_parser(sub)
+    evaluation.add_parser(sub)
+    pretrain.add_parser(sub)
+    gates.add_parser(sub)
+    calibrate.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -1,68 +1,64 @@
-"""`sparsejax demo` (behind `make demo`): the main job on the embedded default model.
+"""`sparsejax demo` (behind `make demo`): every method on the embedded default model.
 
-Without a shipped model it builds a tiny Llama from the committed config
-`models/configs/tiny-llama.json` with a fixed seed (random weights), saves it in HF format,
-loads it back through `from_pretrained` and generates with dense attention and each method.
+Loads the small retrieval model shipped with the package (`sparsejax.embedded_model_path()`,
+trained by `sparsejax pretrain`), runs a small eval of every method at one budget on the
+synthetic retrieval tasks it was trained on, prints a table (method, budget, accuracy, recall,
+attention error, tokens/s) and writes a plot. `sparsejax eval` is the full harness.
 """
 from __future__ import annotations
 
-import tempfile
+import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-
-def random_tiny_model(path: Path, seed: int = 0):
-    """Build the committed tiny config with random weights, save it, load it back."""
-    import sparsejax
-    from sparsejax.models import ModelConfig, init_params
-
-    from sparsejax import models as _models
-    config = ModelConfig.from_json(Path(_models.__file__).resolve().parent / "configs" /
-                                   "tiny-llama.json")
-    model = sparsejax.Model(config=config, params=init_params(config, jax.random.key(seed)))
-    sparsejax.save_pretrained(model, path)
-    return sparsejax.from_pretrained(path, dtype=jnp.float32)
+DEMO_METHODS = ("dense,oracle,streaming,quest,tidal,delta,kascade,lychee,"
+                "delta+resa,kascade+resa,lychee+resa")
 
 
 def run(args) -> int:
     import sparsejax
-    from sparsejax import methods as M
+    from sparsejax import eval as evaluation
+    from sparsejax.train import data
 
-    with tempfile.TemporaryDirectory() as tmp:
-        print("sparsejax demo: no trained model is shipped yet, so this runs a tiny Llama with "
-              "RANDOM weights (seed 0) built from models/configs/tiny-llama.json, saved in HF "
-              "format and loaded back through from_pretrained. Its tokens are meaningless; what "
-              "it shows is every method running through one jitted generate().")
-        model = random_tiny_model(Path(tmp))
+    path = sparsejax.embedded_model_path()
+    if not (path / "config.json").exists():
+        raise ValueError(f"the embedded model is missing from {path}; "
+                         "`sparsejax pretrain --out DIR` trains one")
+    t0 = time.perf_counter()
+    model = sparsejax.from_pretrained(path, dtype=jnp.float32)
     c = model.config
-    rng = np.random.default_rng(0)
-    lengths = np.array([900, 1200, 1500], np.int32)
-    ids = np.zeros((3, lengths.max()), np.int32)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(3, c.vocab_size, n)
-    methods = M.budget_ratio_methods(c, 0.1, int(lengths.max()))
-    dense = None
-    print(f"{'method':<10} {'agree w/ dense':>14} {'tokens/s':>10}")
-    for name, method in methods.items():
-        kw = dict(lengths=lengths, max_new_tokens=args.max_new_tokens, method=method)
-        jax.block_until_ready(sparsejax.generate(model, ids, **kw))
-        t0 = time.perf_counter()
-        out = sparsejax.generate(model, ids, **kw)
-        jax.block_until_ready(out.tokens)
-        dt = time.perf_counter() - t0
-        toks = np.asarray(out.tokens)
-        dense = toks if dense is None else dense
-        agree = float(np.mean(toks == dense))
-        print(f"{name:<10} {agree:>14.2f} {toks.size / dt:>10.1f}")
+    vocab = sparsejax.load_tokenizer(path).get_vocab()
+    print(f"sparsejax demo: {path.name} ({c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
+          f"heads, head_dim {c.head_dim}), tasks {', '.join(data.TASKS)} at {args.context} "
+          f"tokens, {args.samples} prompts each, budget {args.budget:.0%} of the context")
+    doc = evaluation.evaluate(
+        model, tasks=data.TASKS, context=args.context, samples=args.samples,
+        method_names=evaluation.parse_methods(args.methods), ratios=[args.budget],
+        batch=args.samples * len(data.TASKS), model_dir=path, vocab=vocab,
+        progress=lambda s: print("  " + s, file=sys.stderr, flush=True))
+    overall = [r for r in doc["results"] if r["task"] == "all"]
+    print(f"\n{'method':<14} {'budget':>6} {'accuracy':>8} {'recall':>7} {'attn err':>8} "
+          f"{'tokens/s':>9}  layers (D dense, S select, R reuse, H hybrid, F self-select)")
+    for r in overall:
+        print(f"{r['method']:<14} {r['budget_ratio']:>6.2f} {r['accuracy']:>8.3f} "
+              f"{r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} {r['tokens_per_s']:>9.1f}  "
+              f"{r['config']['roles']}")
+    print(f"\nrecall: dense attention mass inside what the sparse layers attended to; attn err: "
+          f"relative L2 error of their attention output vs dense. Lychee's retrieval heads: "
+          f"{doc['lychee_retrieval_heads']}. CPU timings include no compile.")
+    plot = Path(args.plot)
+    evaluation.plot(doc, plot)
+    print(f"plot: {plot.resolve()}  ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run the main job on the embedded default model")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p = sub.add_parser("demo", help="every method on the embedded default model")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--samples", type=int, default=2, help="prompts per task")
+    p.add_argument("--budget", type=float, default=0.1, help="budget ratio of the context")
+    p.add_argument("--methods", default=DEMO_METHODS)
+    p.add_argument("--plot", default="sparsejax-demo.png")
     p.set_defaults(func=run)

@@ -87,8 +87,28 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
     Greedy when `temperature` is 0, else sampled with the explicit PRNG key `rng`. A row that
     emits an EOS token stops; its remaining tokens are EOS. The page size defaults to 16, or
-    to the method's own when it selects pages.
+    to the method's own when it selects pages. With `return_diagnostics`, also returns per
+    decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
     """
+    args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
+                            method=method, temperature=temperature, top_k=top_k, top_p=top_p,
+                            eos_token_id=eos_token_id, rng=rng, page_size=page_size,
+                            return_diagnostics=return_diagnostics)
+    return _generate(*args, **static)
+
+
+def compile_generate(model: Model, input_ids, **kwargs):
+    """`generate(model, input_ids, **kwargs)` compiled ahead of time: returns a zero-argument
+    callable that runs it (e.g. to time generation without the compile)."""
+    args, static = _prepare(model, input_ids, **kwargs)
+    compiled = _generate.lower(*args, **static).compile()
+    return lambda: compiled(*args)
+
+
+def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
+             temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
+             page_size=None, return_diagnostics: bool = False):
+    """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq >= 1]")
@@ -117,9 +137,10 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     eos = () if eos_token_id is None else (
         (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(e) for e in eos_token_id))
     rng = jax.random.key(0) if rng is None else rng
-    return _generate(model, input_ids, lengths, rng, max_new_tokens=max_new_tokens, plan=plan,
-                     sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
-                     diagnostics=bool(return_diagnostics))
+    static = dict(max_new_tokens=max_new_tokens, plan=plan,
+                  sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
+                  diagnostics=bool(return_diagnostics))
+    return (model, input_ids, lengths, rng), static
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",

@@ -1,0 +1,255 @@
+"""Task accuracy, attention recall, attention-output error and speed of every method.
+
+    sparsejax eval --model DIR --task niah,vt --context 4096 --samples 20 \
+        --methods dense,delta,kascade,lychee,quest,tidal,streaming,oracle,delta+resa \
+        --budget-ratio 0.1,0.25 --json out.json --plot out.png
+
+Tasks are the synthetic long-context tasks of `sparsejax.train.data` (exact-match answers).
+Each method runs greedy `generate` twice: once with diagnostics (accuracy, and per decode step
+and layer the recall and attention-output error against dense attention), once compiled ahead
+of time without them (tokens/s, compile excluded). Methods' layer choices are scaled to the
+model's depth (`methods.budget_ratio_methods`); the chosen layers are in the output.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsejax import methods as M
+from sparsejax.generate import compile_generate, generate
+from sparsejax.plan import Role
+
+METHOD_NAMES = ("dense", "oracle", "streaming", "quest", "tidal", "delta", "kascade", "lychee")
+
+
+def parse_methods(spec: str) -> list[str]:
+    """'dense,delta+resa,...' -> names; each a method name with an optional '+resa'."""
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    for name in names:
+        base = name.removesuffix("+resa")
+        if base not in METHOD_NAMES or (name.endswith("+resa") and base == "dense"):
+            raise ValueError(f"--methods entry {name!r}: expected one of {METHOD_NAMES}, "
+                             "optionally with '+resa' (not for dense)")
+    return names
+
+
+def shipped_retrieval_heads(model_dir: Path | None, num_heads: int | None = None):
+    """Retrieval heads trained for the model and shipped beside it (gates/), if any."""
+    if model_dir is None:
+        return None
+    gates = Path(model_dir) / "gates"
+    if not gates.is_dir():
+        return None
+    from sparsejax.train.gates import load_retrieval_heads
+
+    candidates = sorted(p for p in gates.iterdir() if p.suffix == ".json")
+    if num_heads is not None:
+        candidates = [p for p in candidates if p.stem.endswith(f"-{num_heads}")] or candidates
+    return load_retrieval_heads(candidates[0]) if candidates else None
+
+
+def build_methods(config, names, ratio: float, context: int, retrieval_heads=None) -> dict:
+    base = M.budget_ratio_methods(config, ratio, context, retrieval_heads=retrieval_heads)
+    out = {}
+    for name in names:
+        method = base[name.removesuffix("+resa")]
+        out[name] = M.RESA(method) if name.endswith("+resa") else method
+    return out
+
+
+def describe(method, config) -> dict:
+    """The plan a method runs on this model: name, roles, unit, budget (for the output)."""
+    plan = method.to_plan(config, None)
+    d = {"plan": plan.name, "page_size": plan.page_size,
+         "roles": "".join("DSRHF"[int(r)] for r in plan.roles)}
+    if plan.selector is not None:
+        s = plan.selector
+        d.update(score=s.score, unit=s.unit, groups=s.groups, budget=dataclasses.asdict(s.budget),
+                 sinks=s.sinks, recent=s.recent)
+    if plan.retrieval is not None:
+        d["retrieval_heads"] = int(np.sum(np.asarray(plan.retrieval)[1:]))
+    if plan.residual is not None:
+        d["resa_lambda"] = plan.residual.lam
+    return d
+
+
+def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
+    """[steps, B] mask of decode steps each row actually ran (diagnostics index s made token
+    s + 1)."""
+    return np.arange(steps)[:, None] < (num_generated[None, :] - 1)
+
+
+def run_method(model, samples, method, *, batch: int, max_new_tokens: int) -> list[dict]:
+    """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
+    over the decode steps it ran; plus the batch's tokens/s (compile excluded)."""
+    from sparsejax.train import data
+
+    rows = []
+    for start in range(0, len(samples), batch):
+        chunk = samples[start:start + batch]
+        ids, lengths = data.prompt_batch(chunk)
+        kw = dict(lengths=lengths, max_new_tokens=max_new_tokens, method=method,
+                  eos_token_id=data.EOS_ID)
+        out = generate(model, ids, return_diagnostics=True, **kw)
+        toks, num = np.asarray(out.tokens), np.asarray(out.num_generated)
+        diag = {k: np.asarray(out.diagnostics[k], np.float64)
+                for k in ("recall", "oracle_recall", "attn_error")}        # [steps, L, B]
+        mask = _valid_steps(num, diag["recall"].shape[0])[:, None, :]
+        steps = np.maximum(mask.sum(0), 1)                                   # [1, B]
+        per_row = {k: np.sum(np.where(mask, v, 0.0), axis=0) / steps for k, v in diag.items()}
+        run = compile_generate(model, ids, **kw)
+        t0 = time.perf_counter()
+        timed = run()
+        jax.block_until_ready(timed.tokens)
+        tokens_per_s = float(np.sum(np.asarray(timed.num_generated))) / (time.perf_counter() - t0)
+        for i, sample in enumerate(chunk):
+            rows.append({"task": sample.task, "correct": data.check_answer(toks[i], sample),
+                         "tokens_per_s": tokens_per_s,
+                         **{k: v[:, i] for k, v in per_row.items()}})
+    return rows
+
+
+def summarize(rows: list[dict], method, config, task: str) -> dict:
+    """Accuracy, per-layer means, and the mean recall / error over layers that attend sparsely."""
+    rows = [r for r in rows if task == "all" or r["task"] == task]
+    plan = method.to_plan(config, None)
+    sparse = [i for i, role in enumerate(plan.roles) if role not in (Role.DENSE, Role.SELECT)]
+    layer = {k: np.mean([r[k] for r in rows], axis=0)
+             for k in ("recall", "oracle_recall", "attn_error")}
+    return {
+        "task": task, "accuracy": float(np.mean([r["correct"] for r in rows])),
+        "correct": int(sum(r["correct"] for r in rows)), "samples": len(rows),
+        "recall_per_layer": layer["recall"].round(5).tolist(),
+        "oracle_recall_per_layer": layer["oracle_recall"].round(5).tolist(),
+        "attn_error_per_layer": layer["attn_error"].round(5).tolist(),
+        "sparse_layers": sparse,
+        "mean_recall": round(float(np.mean(layer["recall"][sparse])), 5) if sparse else 1.0,
+        "mean_attn_error": round(float(np.mean(layer["attn_error"][sparse])), 5) if sparse else 0.0,
+        "tokens_per_s": round(float(np.mean([r["tokens_per_s"] for r in rows])), 2),
+    }
+
+
+def evaluate(model, *, tasks, context: int, samples: int, method_names, ratios, seed: int = 0,
+             batch: int = 8, model_dir=None, vocab=None, progress=print) -> dict:
+    """Every method at every budget ratio on `samples` prompts of each task (tasks share
+    batches: every prompt has exactly `context` tokens). One result per method, ratio and
+    task, plus task "all"."""
+    from sparsejax.train import data
+
+    retrieval = shipped_retrieval_heads(model_dir)
+    doc = {"model": str(model_dir) if model_dir else None, "tasks": list(tasks),
+           "context": context, "samples_per_task": samples, "seed": seed,
+           "device": getattr(jax.devices()[0], "device_kind", jax.default_backend()),
+           "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
+           "lychee_retrieval_heads": "shipped gates" if retrieval is not None else
+           "random (no gates shipped with the model)", "results": []}
+    prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
+    for ratio in ratios:
+        methods = build_methods(model.config, method_names, ratio, context, retrieval)
+        for name, method in methods.items():
+            t0 = time.perf_counter()
+            rows = run_method(model, prompts, method, batch=batch,
+                              max_new_tokens=data.MAX_ANSWER_TOKENS)
+            for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
+                res = summarize(rows, method, model.config, task)
+                res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
+                doc["results"].append(res)
+            overall = doc["results"][-1]
+            progress(f"{name:<16} ratio {ratio:<5} acc {overall['accuracy']:.3f} "
+                     f"recall {overall['mean_recall']:.3f} err {overall['mean_attn_error']:.3f} "
+                     f"{overall['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t0:.0f}s)")
+    return doc
+
+
+def table(doc: dict) -> str:
+    rows = [f"{'method':<16} {'budget':>6} {'task':<10} {'accuracy':>8} {'recall':>7} "
+            f"{'attn err':>8} {'tokens/s':>9}"]
+    for r in doc["results"]:
+        rows.append(f"{r['method']:<16} {r['budget_ratio']:>6} {r['task']:<10} "
+                    f"{r['accuracy']:>8.3f} {r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} "
+                    f"{r['tokens_per_s']:>9.1f}")
+    return "\n".join(rows)
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Accuracy and recall against the budget ratio, one line per method (mean over tasks)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    overall = "all" if len(doc["tasks"]) > 1 else doc["tasks"][0]
+    results = [r for r in doc["results"] if r["task"] == overall]
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    for name in methods:
+        rs = [r for r in results if r["method"] == name]
+        ratios = sorted({r["budget_ratio"] for r in rs})
+        for ax, key in zip(axes, ("accuracy", "mean_recall")):
+            ax.plot(ratios, [np.mean([r[key] for r in rs if r["budget_ratio"] == x])
+                             for x in ratios], marker="o", label=name)
+    for ax, title in zip(axes, ("task accuracy (exact match)", "attention recall, sparse layers")):
+        ax.set_xlabel("budget ratio")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
+                 f"{', '.join(doc['tasks'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method")
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
+    p.add_argument("--task", default="niah,multikey,multivalue,vt",
+                   help="comma-separated: niah, multikey, multivalue, vt")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--samples", type=int, default=8, help="samples per task")
+    p.add_argument("--methods", default=",".join(METHOD_NAMES))
+    p.add_argument("--budget-ratio", default="0.1", help="comma-separated budget ratios")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write the accuracy/recall plot here (PNG)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import sparsejax
+    from sparsejax.train import data
+
+    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
+    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
+                                      else jnp.bfloat16)
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    for t in tasks:
+        if t not in data.TASKS:
+            raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")
+    ratios = [float(r) for r in args.budget_ratio.split(",")]
+    for r in ratios:
+        if not 0 < r <= 1:
+            raise ValueError(f"--budget-ratio {r}: expected 0 < ratio <= 1")
+    vocab = sparsejax.load_tokenizer(model_dir).get_vocab()
+    doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
+                   method_names=parse_methods(args.methods), ratios=ratios, seed=args.seed,
+                   batch=args.batch, model_dir=model_dir, vocab=vocab,
+                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+    print(table(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(doc, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
