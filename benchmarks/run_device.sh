@@ -14,17 +14,8 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
 
-# The package maps models/, pallas_kernels/, train/ to sparsejax.*: install it editable
-# (offline, no build isolation); fall back to an assembled copy on PYTHONPATH.
 LOG="$OUT/device.log"
-if ! $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1; then
-  site=$(mktemp -d)
-  cp -r sparsejax "$site/sparsejax"
-  cp -r models "$site/sparsejax/models"
-  cp -r pallas_kernels "$site/sparsejax/pallas_kernels"
-  cp -r train "$site/sparsejax/train"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
 

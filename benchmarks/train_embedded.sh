@@ -14,9 +14,14 @@
 #                   tokenizer_config.json, training_log.json, training_curve.png}
 #   train.log   (the run's output)
 # Checkpoints go to /tmp (not $OUT): a second call on a still-warm machine resumes the run.
+#
+# Arguments are passed on to `sparsejax pretrain` (later ones win), e.g. the second stage of
+# the shipped model, continued from the first:
+#   bash benchmarks/train_embedded.sh --init DIR --seed 1 --minutes 3.75 \
+#     --checkpoint-dir /tmp/retrieval-tiny-ckpt-continued
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-out}
+OUT=$(realpath -m "${OUT:-out}")
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 
@@ -24,20 +29,12 @@ PY=${PYTHON:-python3}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
 export PYTHONUNBUFFERED=1
 
-# The device image has JAX but not this package: lay out the import names of pyproject's
-# package-dir (sparsejax, sparsejax.models <- models/, ...) with symbolic links.
-if ! "$PY" -c "import sparsejax.train.pretrain" 2>/dev/null; then
-  SITE=$(mktemp -d)
-  mkdir "$SITE/sparsejax"
-  ln -s "$PWD"/sparsejax/* "$SITE/sparsejax/"
-  ln -s "$PWD/models" "$SITE/sparsejax/models"
-  ln -s "$PWD/train" "$SITE/sparsejax/train"
-  ln -s "$PWD/pallas_kernels" "$SITE/sparsejax/pallas_kernels"
-  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
-
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/train.log"
+LOG="$OUT/train.log"
+source benchmarks/device_env.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+# run from outside the repository, so that its sparsejax/ folder does not shadow the package
+cd /tmp
 "$PY" -m sparsejax.train.pretrain --out "$OUT/retrieval-tiny" --size default --minutes 6 \
   --seed 0 --checkpoint-dir /tmp/retrieval-tiny-ckpt --checkpoint-every 1000 \
-  --log-every 100 2>&1 | tee -a "$OUT/train.log"
+  --log-every 100 "$@" 2>&1 | tee -a "$OUT/train.log"
 ls -l "$OUT/retrieval-tiny" | tee -a "$OUT/train.log"

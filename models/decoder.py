@@ -155,6 +155,15 @@ class ForwardOutput(NamedTuple):
     query_means: jax.Array   # [L, B, HQ, D] fp32 mean post-RoPE query over each row's length
 
 
+def attention_implementation(dtype, head_dim: int) -> str | None:
+    """cuDNN's flash attention for bf16/f16 on GPU (it never holds the [T, T] scores, which
+    training at long context cannot afford), else XLA (`implementation=None` is always XLA)."""
+    if (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128):
+        return "cudnn"
+    return None
+
+
 def forward(model: Model, input_ids: jax.Array, lengths: jax.Array | None = None) -> ForwardOutput:
     """Dense causal forward of right-padded rows `input_ids [B, T]` with true `lengths [B]`.
 
@@ -172,7 +181,8 @@ def forward(model: Model, input_ids: jax.Array, lengths: jax.Array | None = None
         with jax.named_scope("attention"):
             q, k, v = attention_inputs(c, lp, h, positions)
             attn = jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, key_value_seq_lengths=lengths.astype(jnp.int32))
+                q, k, v, is_causal=True, key_value_seq_lengths=lengths.astype(jnp.int32),
+                implementation=attention_implementation(q.dtype, c.head_dim))
             q_mean = jnp.einsum("btnd,bt->bnd", q.astype(jnp.float32), valid) / jnp.maximum(
                 lengths, 1)[:, None, None].astype(jnp.float32)
         with jax.named_scope("mlp"):

@@ -131,6 +131,17 @@ _STAGES = {
              (256, 16, 0.15, data.TASKS, 0.25), (512, 8, 0.15, data.TASKS, 0.25)),
 }
 _LR = {"default": (2e-3, 300), "tiny": (3e-3, 50)}   # (peak, warm-up steps)
+# Continuing from a trained checkpoint (--init): retrieval is there, so no basics stage; the
+# tasks that need more than a single lookup (multikey's key matching, vt's hops) get twice the
+# rows, at every context, under a lower peak learning rate.
+_FOCUS = ("multikey", "vt", "niah", "multikey", "vt", "multivalue")
+_CONTINUED_STAGES = {
+    "default": ((128, 256, 0.3, _FOCUS, 1.0), (512, 128, 0.2, _FOCUS, 0.25),
+                (2048, 64, 0.2, _FOCUS, 0.25), (4096, 32, 0.3, _FOCUS, 0.25)),
+    "tiny": ((128, 32, 0.4, _FOCUS, 1.0), (256, 16, 0.3, _FOCUS, 0.25),
+             (512, 8, 0.3, _FOCUS, 0.25)),
+}
+_CONTINUED_LR = {"default": (1e-3, 100), "tiny": (1.5e-3, 25)}
 
 
 def _model_config(size: str, max_context: int) -> ModelConfig:
@@ -145,12 +156,13 @@ def _model_config(size: str, max_context: int) -> ModelConfig:
 
 
 def recipe(size: str = "default", *, max_context: int | None = None,
-           batch: int | None = None) -> Recipe:
+           batch: int | None = None, continued: bool = False) -> Recipe:
     """The recipe of `size`; `max_context` ends the curriculum there, `batch` sets the
-    sequences per step of the longest stage (the others scale with it)."""
+    sequences per step of the longest stage (the others scale with it). `continued`: the
+    stages and learning rate for training on from a trained checkpoint."""
     if size not in _STAGES:
         raise ValueError(f"size={size!r}: expected one of {tuple(_STAGES)}")
-    stages = [Stage(*s) for s in _STAGES[size]]
+    stages = [Stage(*s) for s in (_CONTINUED_STAGES if continued else _STAGES)[size]]
     if max_context is not None:
         floor = max(data.min_context(t) for t in data.TASKS) + 1
         if max_context < floor:
@@ -168,7 +180,7 @@ def recipe(size: str = "default", *, max_context: int | None = None,
             raise ValueError(f"batch={batch}: expected >= 1")
         scale = batch / stages[-1].batch
         stages = [dataclasses.replace(s, batch=max(1, round(s.batch * scale))) for s in stages]
-    peak_lr, warmup = _LR[size]
+    peak_lr, warmup = (_CONTINUED_LR if continued else _LR)[size]
     return Recipe(model=_model_config(size, stages[-1].context), stages=tuple(stages),
                   peak_lr=peak_lr, warmup_steps=warmup)
 
@@ -306,6 +318,28 @@ def learning_rate(recipe: Recipe, step, total_steps):
     return recipe.peak_lr * jnp.where(step < warmup, (step + 1) / warmup, cosine)
 
 
+def load_init(recipe: Recipe, path: str | Path):
+    """fp32 params of the HF checkpoint at `path`, which must have the recipe's architecture."""
+    from sparsejax.models import from_pretrained
+
+    model = from_pretrained(path, dtype=jnp.float32)
+    if model.config != recipe.model:
+        raise ValueError(f"init={path}: its config {model.config} is not the recipe's model "
+                         f"{recipe.model} (use the same --size and --max-context)")
+    return model.params
+
+
+def _init_record(path: str | Path) -> dict:
+    """What the run starts from: the path, and the plan and time of the run that made it."""
+    record = {"path": str(path)}
+    log = Path(path) / "training_log.json"
+    if log.exists():
+        prior = json.loads(log.read_text())
+        record.update({k: prior.get(k) for k in ("plan", "seed", "train_seconds", "steps_done",
+                                                  "init")})
+    return record
+
+
 def init_state(recipe: Recipe, total_steps: int, seed: int) -> TrainState:
     params = init_params(recipe.model, jax.random.key(seed), jnp.float32)
     return TrainState(jnp.zeros((), jnp.int32), jnp.asarray(total_steps, jnp.int32), params,
@@ -419,7 +453,8 @@ class Run(NamedTuple):
 
 
 def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = None,
-          seed: int = 0, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 500,
+          seed: int = 0, init: str | Path | None = None,
+          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 500,
           log_every: int = 50, workers: int = 0, progress: bool = True) -> Run:
     """Train under `recipe` for `steps` steps or `minutes` of training (both: whichever ends
     first). Resumes from the latest checkpoint in `checkpoint_dir` when there is one."""
@@ -434,6 +469,9 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
     manager = None if checkpoint_dir is None else _checkpoint_manager(Path(checkpoint_dir),
                                                                       checkpoint_every)
     state, meta = init_state(recipe, 1, seed), None
+    if init is not None:
+        state = state._replace(params=load_init(recipe, init))
+        state = state._replace(opt_state=make_optimizer(recipe).init(state.params))
     if manager is not None and manager.latest_step() is not None:
         state, meta = _restore(manager, jax.eval_shape(lambda: state))
         if meta["recipe"] != recipe_json or meta["seed"] != seed:
@@ -462,6 +500,7 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
             plan = plan_by_time(recipe, seconds, step_seconds)
         state = state._replace(total_steps=jnp.asarray(plan.total, jnp.int32))
         log = {"recipe": recipe_json, "seed": seed, "plan": list(plan.stage_steps),
+               "init": None if init is None else _init_record(init),
                "params": num_params(state.params), "device": _device_name(),
                "jax_version": jax.__version__, "compute_dtype": dtype.name, "records": [],
                "evals": [], "compile_seconds": []}
@@ -564,15 +603,10 @@ def _check_memory(recipe: Recipe, compiled: list, attention: str) -> None:
         need = (m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
                 - m.alias_size_in_bytes)
         if need > limit:
-            hint = ""
-            if attention == "xla" and jax.default_backend() == "gpu":
-                hint = (" The attention lowered to XLA, which holds [batch, heads, T, T] scores: "
-                        "jax.nn.dot_product_attention(implementation=None) is XLA, so "
-                        "sparsejax.models.forward needs implementation='cudnn' for bf16 on GPU.")
             raise ValueError(
                 f"a step of the {stage.context}-token stage (batch {stage.batch}) needs "
                 f"{need / 2**30:.1f} GiB; the device has {limit / 2**30:.1f} GiB: lower "
-                f"--batch.{hint}")
+                f"--batch.")
 
 
 def _time_stages(recipe: Recipe, compiled: list, state: TrainState, dtype, seed: int,
@@ -708,6 +742,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None,
                    help="end the context curriculum at this prompt length")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None,
+                   help="continue from this exported checkpoint (its --size), with the "
+                        "continued-training stages and learning rate")
     p.add_argument("--checkpoint-dir", default=None,
                    help="Orbax checkpoints; a run resumes from the latest one there")
     p.add_argument("--checkpoint-every", type=int, default=500)
@@ -721,7 +758,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args) -> int:
     if args.minutes is None and args.steps is None:
         raise ValueError("pretrain needs --minutes M or --steps S")
-    rcp = recipe(args.size, max_context=args.max_context, batch=args.batch)
+    rcp = recipe(args.size, max_context=args.max_context, batch=args.batch,
+                 continued=args.init is not None)
     workers = args.workers
     if workers is None:
         workers = 0 if jax.default_backend() == "cpu" else min(8, (os.cpu_count() or 2) // 2)
@@ -730,7 +768,7 @@ def run(args) -> int:
           f"{c.hidden_size}, {c.num_heads}/{c.num_kv_heads} heads × {c.head_dim}; stages "
           + ", ".join(f"{s.context}×{s.batch}" for s in rcp.stages)
           + f"; {jax.default_backend()}, {workers} data workers", flush=True)
-    result = train(rcp, steps=args.steps, minutes=args.minutes, seed=args.seed,
+    result = train(rcp, steps=args.steps, minutes=args.minutes, seed=args.seed, init=args.init,
                    checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                    log_every=args.log_every, workers=workers)
     log = result.log
