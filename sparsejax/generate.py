@@ -97,14 +97,6 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     return _generate(*args, **static)
 
 
-def compile_generate(model: Model, input_ids, **kwargs):
-    """`generate(model, input_ids, **kwargs)` compiled ahead of time: returns a zero-argument
-    callable that runs it (e.g. to time generation without the compile)."""
-    args, static = _prepare(model, input_ids, **kwargs)
-    compiled = _generate.lower(*args, **static).compile()
-    return lambda: compiled(*args)
-
-
 def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
              page_size=None, return_diagnostics: bool = False):

@@ -1,6 +1,6 @@
 """The eval harness on a small random Llama over the project's vocabulary: dense is its own
-reference (recall 1, error 0), accuracy agrees with a direct greedy generate, and the
-ahead-of-time compiled generate equals the jitted one."""
+reference (recall 1, error 0), accuracy agrees with a direct greedy generate, a ragged last
+batch is scored on its own rows."""
 import json
 
 import jax
@@ -36,23 +36,11 @@ def test_parse_methods():
         evaluation.parse_methods("dense,h2o")
 
 
-def test_compile_generate_equals_generate(model):
-    samples = [data.make_sample(t, CONTEXT, 0, i) for i, t in enumerate(data.TASKS)]
-    ids, lengths = data.prompt_batch(samples)
-    kw = dict(lengths=lengths, max_new_tokens=5, method=M.DELTA(budget_pages=2, recent_pages=1)
-              .scaled_to(4))
-    expected = sparsejax.generate(model, ids, **kw)
-    got = sparsejax.compile_generate(model, ids, **kw)()
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))
-    with pytest.raises(TypeError):
-        sparsejax.compile_generate(model, ids, max_new_tokens=5, beams=2)
-
-
 def test_evaluate(model, tmp_path):
     tasks = ("niah", "vt")
     doc = evaluation.evaluate(model, tasks=tasks, context=CONTEXT, samples=2,
                               method_names=["dense", "oracle", "delta+resa"], ratios=[0.25],
-                              batch=4, progress=lambda s: None)
+                              batch=3, progress=lambda s: None)
     results = {(r["method"], r["task"]): r for r in doc["results"]}
     assert len(doc["results"]) == 3 * 3                      # methods × (tasks + "all")
     dense = results["dense", "all"]
