@@ -88,9 +88,10 @@ def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
     return np.arange(steps)[:, None] < (num_generated[None, :] - 1)
 
 
-def run_method(model, samples, method, *, batch: int, max_new_tokens: int) -> list[dict]:
+def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
+               timing: bool = True) -> list[dict]:
     """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
-    over the decode steps it ran; plus the batch's tokens/s (compile excluded)."""
+    over the decode steps it ran; plus the batch's tokens/s (compile excluded) when `timing`."""
     from sparsejax.train import data
 
     rows, warm = [], False
@@ -108,14 +109,16 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int) -> li
         mask = _valid_steps(num, diag["recall"].shape[0])[:, None, :]
         steps = np.maximum(mask.sum(0), 1)                                   # [1, B]
         per_row = {k: np.sum(np.where(mask, v, 0.0), axis=0) / steps for k, v in diag.items()}
-        if not warm:        # compile the diagnostics-free generate (every batch has one shape)
+        tokens_per_s = None
+        if timing and not warm:        # compile the diagnostics-free generate (every batch has one shape)
             jax.block_until_ready(generate(model, ids, **kw).tokens)
             warm = True
-        t0 = time.perf_counter()
-        timed = generate(model, ids, **kw)
-        jax.block_until_ready(timed.tokens)
-        tokens_per_s = float(np.sum(np.asarray(timed.num_generated)[:len(chunk)])) / (
-            time.perf_counter() - t0)
+        if timing:
+            t0 = time.perf_counter()
+            timed = generate(model, ids, **kw)
+            jax.block_until_ready(timed.tokens)
+            tokens_per_s = float(np.sum(np.asarray(timed.num_generated)[:len(chunk)])) / (
+                time.perf_counter() - t0)
         for i, sample in enumerate(chunk):
             rows.append({"task": sample.task, "correct": data.check_answer(toks[i], sample),
                          "tokens_per_s": tokens_per_s,
@@ -139,15 +142,18 @@ def summarize(rows: list[dict], method, config, task: str) -> dict:
         "sparse_layers": sparse,
         "mean_recall": round(float(np.mean(layer["recall"][sparse])), 5) if sparse else 1.0,
         "mean_attn_error": round(float(np.mean(layer["attn_error"][sparse])), 5) if sparse else 0.0,
-        "tokens_per_s": round(float(np.mean([r["tokens_per_s"] for r in rows])), 2),
+        "tokens_per_s": (None if rows[0]["tokens_per_s"] is None else
+                         round(float(np.mean([r["tokens_per_s"] for r in rows])), 2)),
     }
 
 
-def evaluate(model, *, tasks, context: int, samples: int, method_names, ratios, seed: int = 0,
-             batch: int = 8, model_dir=None, vocab=None, progress=print) -> dict:
+def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(),
+             methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
+             timing: bool = True, progress=print) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
-    task, plus task "all"."""
+    task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
+    model, or `methods(ratio) -> {name: method}` for any others."""
     from sparsejax.train import data
 
     retrieval = shipped_retrieval_heads(model_dir)
@@ -159,11 +165,12 @@ def evaluate(model, *, tasks, context: int, samples: int, method_names, ratios, 
            "random (no gates shipped with the model)", "results": []}
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
     for ratio in ratios:
-        methods = build_methods(model.config, method_names, ratio, context, retrieval)
-        for name, method in methods.items():
+        chosen = (methods(ratio) if methods is not None else
+                  build_methods(model.config, method_names, ratio, context, retrieval))
+        for name, method in chosen.items():
             t0 = time.perf_counter()
             rows = run_method(model, prompts, method, batch=batch,
-                              max_new_tokens=data.MAX_ANSWER_TOKENS)
+                              max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task)
                 res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
@@ -171,8 +178,12 @@ def evaluate(model, *, tasks, context: int, samples: int, method_names, ratios, 
             overall = doc["results"][-1]
             progress(f"{name:<16} ratio {ratio:<5} acc {overall['accuracy']:.3f} "
                      f"recall {overall['mean_recall']:.3f} err {overall['mean_attn_error']:.3f} "
-                     f"{overall['tokens_per_s']:.1f} tok/s ({time.perf_counter() - t0:.0f}s)")
+                     f"{_speed(overall['tokens_per_s'])} tok/s ({time.perf_counter() - t0:.0f}s)")
     return doc
+
+
+def _speed(tokens_per_s) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:.1f}"
 
 
 def table(doc: dict) -> str:
@@ -181,7 +192,7 @@ def table(doc: dict) -> str:
     for r in doc["results"]:
         rows.append(f"{r['method']:<16} {r['budget_ratio']:>6} {r['task']:<10} "
                     f"{r['accuracy']:>8.3f} {r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} "
-                    f"{r['tokens_per_s']:>9.1f}")
+                    f"{_speed(r['tokens_per_s']):>9}")
     return "\n".join(rows)
 
 
@@ -225,6 +236,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--no-timing", action="store_true",
+                   help="skip the tokens/s runs (half the generate calls)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--plot", default=None, help="write the accuracy/recall plot here (PNG)")
     p.set_defaults(func=run)
@@ -249,6 +262,7 @@ def run(args) -> int:
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
                    method_names=parse_methods(args.methods), ratios=ratios, seed=args.seed,
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
+                   timing=not args.no_timing,
                    progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(doc))
     if args.json:

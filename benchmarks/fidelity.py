@@ -1,0 +1,184 @@
+"""Fidelity of the sparse methods on the embedded model (CPU is enough: the model is small).
+
+    python benchmarks/fidelity.py merge A.json B.json ...      -> results/fidelity.json
+    python benchmarks/fidelity.py resa results/fidelity.json   -> results/resa_error.json
+    python benchmarks/fidelity.py gates --gates DIR_4 DIR_8    -> results/gates.json
+    python benchmarks/fidelity.py calibration --delta D.json --kascade K.json
+                                                              -> results/calibration.json
+
+`merge` joins `sparsejax eval --json` outputs of one model, context and task set (e.g. runs
+split by method). `resa` reads the attention-output error of every base method with and
+without RESA at one budget ratio. `gates` compares Lychee with trained gates against random
+retrieval heads of the same count; `calibration` compares calibrated layer choices against
+evenly spaced ones. Both run the eval harness on the shipped model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+_SAME = ("model", "tasks", "context", "samples_per_task", "seed")
+
+
+def _write(doc: dict, path: Path) -> None:
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def merge(paths: list[Path]) -> dict:
+    docs = [json.loads(p.read_text()) for p in paths]
+    for p, d in zip(paths[1:], docs[1:]):
+        for key in _SAME:
+            if d[key] != docs[0][key]:
+                raise ValueError(f"{p}: {key}={d[key]!r}, but {paths[0]} has {docs[0][key]!r}")
+    out = dict(docs[0], results=[r for d in docs for r in d["results"]],
+               lychee_retrieval_heads=sorted({d["lychee_retrieval_heads"] for d in docs}),
+               merged_from=[p.name for p in paths])
+    return out
+
+
+def resa_table(fidelity: dict, ratio: float) -> dict:
+    """Per base method: mean attention-output error of its sparse layers without and with RESA,
+    per layer too, and the reduction."""
+    overall = "all" if len(fidelity["tasks"]) > 1 else fidelity["tasks"][0]
+    by_name = {r["method"]: r for r in fidelity["results"]
+               if r["task"] == overall and r["budget_ratio"] == ratio}
+    rows = []
+    for name, with_resa in by_name.items():
+        if not name.endswith("+resa") or name.removesuffix("+resa") not in by_name:
+            continue
+        base = by_name[name.removesuffix("+resa")]
+        layers = base["sparse_layers"]
+        rows.append({
+            "method": base["method"], "sparse_layers": layers,
+            "attn_error": base["mean_attn_error"], "attn_error_resa": with_resa["mean_attn_error"],
+            "reduction": round(1 - with_resa["mean_attn_error"] / base["mean_attn_error"], 4),
+            "attn_error_per_layer": [base["attn_error_per_layer"][i] for i in layers],
+            "attn_error_resa_per_layer": [with_resa["attn_error_per_layer"][i] for i in layers],
+            "accuracy": base["accuracy"], "accuracy_resa": with_resa["accuracy"],
+        })
+    keys = ("model", "tasks", "context", "samples_per_task", "device", "jax_version", "date")
+    return {**{k: fidelity[k] for k in keys}, "budget_ratio": ratio, "resa_lambda": 1.0,
+            "rows": rows}
+
+
+def _load():
+    import jax.numpy as jnp
+
+    import sparsejax
+
+    path = sparsejax.embedded_model_path()
+    return path, sparsejax.from_pretrained(path, dtype=jnp.float32), \
+        sparsejax.load_tokenizer(path).get_vocab()
+
+
+def _run(methods, args) -> dict:
+    from sparsejax import eval as evaluation
+
+    path, model, vocab = _load()
+    return evaluation.evaluate(
+        model, tasks=args.task.split(","), context=args.context, samples=args.samples,
+        ratios=[args.ratio], methods=lambda ratio: methods(model, ratio), batch=args.batch,
+        model_dir=path, vocab=vocab, timing=False,
+        progress=lambda s: print(s, file=sys.stderr, flush=True))
+
+
+def gates(args) -> dict:
+    import math
+
+    from sparsejax import methods as M
+    from sparsejax.train.gates import load_retrieval_heads
+
+    def build(model, ratio):
+        tokens = max(1, math.ceil(ratio * args.context))
+        kw = dict(budget=M.TopK(tokens), sinks=min(128, tokens // 8), recent=min(256, tokens // 4))
+        out = {}
+        for directory in args.gates:
+            heads = np.asarray(load_retrieval_heads(directory))
+            count = int(heads[1:].sum())
+            out[f"lychee trained {count}"] = M.Lychee(heads, **kw)
+            out[f"lychee random {count}"] = M.Lychee(
+                M.random_retrieval_heads(model.config, count, seed=args.seed), **kw)
+        return out
+
+    return _run(build, args)
+
+
+def calibration(args) -> dict:
+    from sparsejax import methods as M
+
+    def build(model, ratio):
+        L = model.config.num_layers
+        base = M.budget_ratio_methods(model.config, ratio, args.context)
+        delta, kascade = base["delta"], base["kascade"]
+        calibrated_delta = M.DELTA.from_calibration(args.delta, model,
+                                                    budget_pages=delta.budget_pages,
+                                                    recent_pages=delta.recent_pages)
+        calibrated_kascade = M.Kascade.from_calibration(args.kascade, model, ratio=ratio,
+                                                        min_k=kascade.min_k)
+        count = len(calibrated_delta.delta_layers)
+        anchors = len(calibrated_kascade.anchor_layers)
+        even_delta = tuple(int(x) for x in np.round(np.linspace(2, L - 1, count)))
+        even_anchors = tuple(int(x) for x in np.round(np.linspace(0, L - 1, anchors)))
+        return {
+            f"delta calibrated {calibrated_delta.delta_layers}": calibrated_delta,
+            f"delta even {even_delta}": M.DELTA(delta_layers=even_delta,
+                                                budget_pages=delta.budget_pages,
+                                                recent_pages=delta.recent_pages),
+            f"kascade calibrated {calibrated_kascade.anchor_layers}": calibrated_kascade,
+            f"kascade even {even_anchors}": M.Kascade(anchor_layers=even_anchors, ratio=ratio,
+                                                      min_k=kascade.min_k),
+        }
+
+    return _run(build, args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("merge")
+    m.add_argument("inputs", nargs="+", type=Path)
+    m.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    r = sub.add_parser("resa")
+    r.add_argument("fidelity", type=Path)
+    r.add_argument("--ratio", type=float, default=0.1)
+    r.add_argument("--out", type=Path, default=RESULTS / "resa_error.json")
+    for name in ("gates", "calibration"):
+        s = sub.add_parser(name)
+        s.add_argument("--task", default="niah,multivalue")
+        s.add_argument("--context", type=int, default=2048)
+        s.add_argument("--samples", type=int, default=8)
+        s.add_argument("--ratio", type=float, default=0.1)
+        s.add_argument("--batch", type=int, default=8)
+        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
+        if name == "gates":
+            s.add_argument("--gates", nargs="+", required=True,
+                           help="gate files or directories (one per head count)")
+        else:
+            s.add_argument("--delta", required=True, help="DELTA calibration JSON")
+            s.add_argument("--kascade", required=True, help="Kascade calibration JSON")
+    args = p.parse_args(argv)
+    if args.command == "merge":
+        doc = merge(args.inputs)
+    elif args.command == "resa":
+        doc = resa_table(json.loads(args.fidelity.read_text()), args.ratio)
+        for row in doc["rows"]:
+            print(f"{row['method']:<10} error {row['attn_error']:.3f} -> "
+                  f"{row['attn_error_resa']:.3f} with RESA ({row['reduction']:+.0%})")
+    else:
+        doc = gates(args) if args.command == "gates" else calibration(args)
+        from sparsejax import eval as evaluation
+        print(evaluation.table(doc))
+    _write(doc, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
