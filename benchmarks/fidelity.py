@@ -97,7 +97,7 @@ def gates(args) -> dict:
     def build(model, ratio):
         tokens = max(1, math.ceil(ratio * args.context))
         kw = dict(budget=M.TopK(tokens), sinks=min(128, tokens // 8), recent=min(256, tokens // 4))
-        out = {}
+        out = {"dense": M.Dense()}
         for directory in args.gates:
             heads = np.asarray(load_retrieval_heads(directory))
             count = int(heads[1:].sum())
@@ -126,6 +126,7 @@ def calibration(args) -> dict:
         even_delta = tuple(int(x) for x in np.round(np.linspace(2, L - 1, count)))
         even_anchors = tuple(int(x) for x in np.round(np.linspace(0, L - 1, anchors)))
         return {
+            "dense": M.Dense(),
             f"delta calibrated {calibrated_delta.delta_layers}": calibrated_delta,
             f"delta even {even_delta}": M.DELTA(delta_layers=even_delta,
                                                 budget_pages=delta.budget_pages,

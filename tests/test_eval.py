@@ -62,3 +62,20 @@ def test_evaluate(model, tmp_path):
     evaluation.plot(doc, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert "delta+resa" in evaluation.table(doc)
+
+
+def test_eval_cli_writes_json(tmp_path):
+    from sparsejax import cli
+
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    rc = cli.main(["eval", "--task", "niah,vt", "--context", "256", "--samples", "1",
+                   "--methods", "dense,streaming+resa", "--budget-ratio", "0.25,0.5",
+                   "--json", str(out), "--plot", str(png)])
+    assert rc == 0 and png.stat().st_size > 0
+    doc = json.loads(out.read_text())
+    assert doc["model"] == str(sparsejax.embedded_model_path())
+    assert {(r["method"], r["budget_ratio"], r["task"]) for r in doc["results"]} == {
+        (m, b, t) for m in ("dense", "streaming+resa") for b in (0.25, 0.5)
+        for t in ("niah", "vt", "all")}
+    assert all(r["tokens_per_s"] > 0 for r in doc["results"])
+    assert cli.main(["eval", "--budget-ratio", "0", "--samples", "1"]) == 2     # clear error
