@@ -474,7 +474,7 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
     """
     batch, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
-    max_pages, groups = page_table.shape[1], indices.shape[1]
+    max_pages = page_table.shape[1]
     group_size = num_heads // kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     pages_per_chunk = max(1, min(max_pages, max_pages * num_heads // (kv_heads * head_dim)))

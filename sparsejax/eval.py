@@ -12,7 +12,6 @@ model's depth (`methods.budget_ratio_methods`); the chosen layers are in the out
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json

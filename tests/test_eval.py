@@ -10,7 +10,6 @@ import pytest
 
 import sparsejax
 from sparsejax import eval as evaluation
-from sparsejax import methods as M
 from sparsejax.models import Model, ModelConfig, init_params
 from sparsejax.train import data
 from sparsejax.train.tokenizer import vocabulary

@@ -10,28 +10,21 @@ import pytest
 import sparsejax
 from sparsejax import cache as kv
 from sparsejax import methods as M
-from sparsejax.models import ModelConfig, init_params
+from sparsejax.models import ModelConfig
 from sparsejax.plan import Role
+from small_model import CFG, LENGTHS, RETRIEVAL, make_model, make_prompts
 
-CFG = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
-                  num_kv_heads=2, head_dim=16, intermediate_size=96)
-LENGTHS = np.array([150, 200, 93], np.int32)
 HEAD_MAP = np.array([[0, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]])
-RETRIEVAL = np.array([[1, 1], [0, 1], [1, 0], [0, 0], [0, 1], [1, 0]], bool)
 
 
 @pytest.fixture(scope="module")
 def model():
-    return sparsejax.Model(CFG, init_params(CFG, jax.random.key(0), std=0.1))
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    ids = np.zeros((3, LENGTHS.max()), np.int32)
-    for i, n in enumerate(LENGTHS):
-        ids[i, :n] = rng.integers(0, CFG.vocab_size, n)
-    return ids
+    return make_prompts()
 
 
 def full_budget_methods(page_size: int, capacity: int):

@@ -9,28 +9,19 @@ import pytest
 import sparsejax
 from sparsejax import methods as M
 from sparsejax import resa
-from sparsejax.models import ModelConfig, forward, init_params
+from sparsejax.models import forward
 from sparsejax.pallas_kernels import sparse_decode_attention_reference
 from sparsejax.plan import Residual
-
-CFG = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=6, num_heads=4,
-                  num_kv_heads=2, head_dim=16, intermediate_size=96)
-LENGTHS = np.array([150, 200, 93], np.int32)
-RETRIEVAL = np.array([[1, 1], [0, 1], [1, 0], [0, 0], [0, 1], [1, 0]], bool)
-
+from small_model import CFG, LENGTHS, RETRIEVAL, make_model, make_prompts
 
 @pytest.fixture(scope="module")
 def model():
-    return sparsejax.Model(CFG, init_params(CFG, jax.random.key(0), std=0.1))
+    return make_model()
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    rng = np.random.default_rng(0)
-    ids = np.zeros((3, LENGTHS.max()), np.int32)
-    for i, n in enumerate(LENGTHS):
-        ids[i, :n] = rng.integers(0, CFG.vocab_size, n)
-    return ids
+    return make_prompts()
 
 
 def base_methods():

@@ -137,7 +137,7 @@ def dense_softmax(case):
                                                                "page_table"))
     pt = pt.astype(int)
     batch, q_heads, head_dim = q.shape
-    kv_heads, page_size = kp.shape[1], kp.shape[2]
+    kv_heads = kp.shape[1]
     k = kp[pt].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_dim)
     v = vp[pt].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, head_dim)
     k, v = (np.repeat(x, q_heads // kv_heads, axis=1) for x in (k, v))
