@@ -1,6 +1,6 @@
 """Fidelity of the sparse methods on the embedded model (CPU is enough: the model is small).
 
-    python benchmarks/fidelity.py merge A.json B.json ...      -> results/fidelity.json
+    python benchmarks/fidelity.py merge A.json B.json ...      -> results/fidelity.json, .png
     python benchmarks/fidelity.py resa results/fidelity.json   -> results/resa_error.json
     python benchmarks/fidelity.py gates --gates DIR_4 DIR_8    -> results/gates.json
     python benchmarks/fidelity.py calibration --delta D.json --kascade K.json
@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("inputs", nargs="+", type=Path)
     m.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
+    m.add_argument("--plot", type=Path, default=RESULTS / "fidelity.png")
     r = sub.add_parser("resa")
     r.add_argument("fidelity", type=Path)
     r.add_argument("--ratio", type=float, default=0.1)
@@ -167,12 +168,16 @@ def main(argv=None) -> int:
             s.add_argument("--kascade", required=True, help="Kascade calibration JSON")
     args = p.parse_args(argv)
     if args.command == "merge":
+        from sparsejax import eval as evaluation
+
         doc = merge(args.inputs)
+        evaluation.plot(doc, args.plot)
+        print(evaluation.table(doc))
     elif args.command == "resa":
         doc = resa_table(json.loads(args.fidelity.read_text()), args.ratio)
         for row in doc["rows"]:
-            print(f"{row['method']:<10} error {row['attn_error']:.3f} -> "
-                  f"{row['attn_error_resa']:.3f} with RESA ({row['reduction']:+.0%})")
+            print(f"{row['method']:<10} attention error {row['attn_error']:.3f} -> "
+                  f"{row['attn_error_resa']:.3f} with RESA (reduced by {row['reduction']:.0%})")
     else:
         doc = gates(args) if args.command == "gates" else calibration(args)
         from sparsejax import eval as evaluation

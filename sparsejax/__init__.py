@@ -8,7 +8,8 @@ from pathlib import Path
 
 from sparsejax import methods
 from sparsejax.cache import PagedKVCache, allocate
-from sparsejax.generate import GenerateOutput, Sampling, decode_step, generate, prefill, sample
+from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
+                                prefill, sample)
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Selection, Selector, SparsePlan
 
@@ -26,7 +27,7 @@ def embedded_model_path() -> Path:
 
 __all__ = [
     "Budget", "GenerateOutput", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
-    "Selection", "Selector", "SparsePlan", "allocate", "decode_step", "embedded_model_path",
+    "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step", "embedded_model_path",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
     "save_pretrained",
 ]

@@ -97,6 +97,21 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     return _generate(*args, **static)
 
 
+def compile_generate(model: Model, input_ids, **kwargs):
+    """`generate(model, input_ids, **kwargs)` compiled ahead of time, without running it.
+
+    Returns `run(input_ids, lengths=None)` for inputs of the same shape, e.g. to time
+    generation without the compile (a warm-up call would also run it once)."""
+    args, static = _prepare(model, input_ids, **kwargs)
+    compiled = _generate.lower(*args, **static).compile()
+
+    def run(input_ids, lengths=None):
+        args, _ = _prepare(model, input_ids, **{**kwargs, "lengths": lengths})
+        return compiled(*args)
+
+    return run
+
+
 def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
              page_size=None, return_diagnostics: bool = False):

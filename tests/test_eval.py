@@ -10,6 +10,7 @@ import pytest
 
 import sparsejax
 from sparsejax import eval as evaluation
+from sparsejax import methods as M
 from sparsejax.models import Model, ModelConfig, init_params
 from sparsejax.train import data
 from sparsejax.train.tokenizer import vocabulary
@@ -33,6 +34,19 @@ def test_parse_methods():
         evaluation.parse_methods("dense+resa")
     with pytest.raises(ValueError, match="'h2o'"):
         evaluation.parse_methods("dense,h2o")
+
+
+def test_compile_generate_equals_generate(model):
+    samples = [data.make_sample(t, CONTEXT, 0, i) for i, t in enumerate(data.TASKS)]
+    ids, lengths = data.prompt_batch(samples)
+    kw = dict(max_new_tokens=5, method=M.DELTA(budget_pages=2, recent_pages=1).scaled_to(4))
+    run = sparsejax.compile_generate(model, ids, lengths=lengths, **kw)
+    for rows in (slice(None), slice(None, None, -1)):      # the same shape, other prompts
+        expected = sparsejax.generate(model, ids[rows], lengths=lengths[rows], **kw)
+        got = run(ids[rows], lengths[rows])
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(expected.tokens))
+    with pytest.raises(TypeError):
+        sparsejax.compile_generate(model, ids, max_new_tokens=5, beams=2)
 
 
 def test_evaluate(model, tmp_path):
