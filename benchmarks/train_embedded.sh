@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Train the embedded retrieval model (sparsejax.train.pretrain, --size default) on one H200 and
-# export it into $OUT/retrieval-tiny/ (then copy that folder to models/assets/retrieval-tiny/).
+# export it into $OUT/retrieval-tiny/ (default OUT=out; copy that folder to
+# models/assets/retrieval-tiny/ to ship it).
 #
-# One device call, under 9 minutes of wall clock in all:
+# Under 9 minutes of wall clock in all:
 #   ~20 s   imports and device start-up (data worker processes start meanwhile)
 #   ~60 s   compiling the train step of each curriculum stage and the eval's generate(), in
 #           parallel threads, then one timed step per stage to plan the step counts
 #   6 min   training (--minutes 6, the 8 periodic greedy evals included)
 #   ~15 s   the final greedy eval (32 samples per task and context) and the export
 #
-# What comes back from $OUT (7 files, at most 2 folders deep, each under 16 MiB):
+# Output in $OUT:
 #   retrieval-tiny/{config.json, model.safetensors (15.5 MiB, bf16), tokenizer.json,
 #                   tokenizer_config.json, training_log.json, training_curve.png}
 #   train.log   (the run's output)
-# Checkpoints go to /tmp (not $OUT): a second call on a still-warm machine resumes the run.
+# Checkpoints go to /tmp: running the script again on the same machine resumes the run.
 #
 # Arguments are passed on to `sparsejax pretrain` (later ones win), e.g. the second stage of
 # the shipped model, continued from the first:

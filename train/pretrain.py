@@ -13,8 +13,8 @@ vocabulary, RoPE θ = 100000. Why this shape:
     (an induction pattern: find the key, copy what follows it).
   * head_dim 64 and 4 KV heads: the Pallas decode kernels support head_dim 64/128/256, and GQA
     makes the group pooling of DELTA/Kascade/Lychee do real work.
-  * 8.13 M parameters = 16.3 MB in bf16 (15.5 MiB: one safetensors file under the 16 MiB a
-    device run returns), so the model ships as package data.
+  * 8.13 M parameters = 16.3 MB in bf16 (one 15.5 MiB safetensors file), small enough to
+    ship as package data.
   * θ = 100000 keeps the slowest RoPE channels nearly constant over 4k tokens, which
     content-matching retrieval heads use.
 `--size tiny` (2 layers, hidden 128, 2 query heads / 1 KV head, contexts ≤ 512) is the same
