@@ -200,21 +200,26 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     overall = "all" if len(doc["tasks"]) > 1 else doc["tasks"][0]
     results = [r for r in doc["results"] if r["task"] == overall]
     methods = list(dict.fromkeys(r["method"] for r in results))
+    # one colour per base method; its RESA variant dashed in the same colour
+    bases = list(dict.fromkeys(m.removesuffix("+resa") for m in methods))
+    colours = plt.get_cmap("tab20" if len(bases) > 10 else "tab10")
     for name in methods:
         rs = [r for r in results if r["method"] == name]
         ratios = sorted({r["budget_ratio"] for r in rs})
+        style = dict(marker="o", label=name, color=colours(bases.index(name.removesuffix("+resa"))),
+                     linestyle="--" if name.endswith("+resa") else "-")
         for ax, key in zip(axes, ("accuracy", "mean_recall")):
             ax.plot(ratios, [np.mean([r[key] for r in rs if r["budget_ratio"] == x])
-                             for x in ratios], marker="o", label=name)
+                             for x in ratios], **style)
     for ax, title in zip(axes, ("task accuracy (exact match)", "attention recall, sparse layers")):
         ax.set_xlabel("budget ratio")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
                  f"{', '.join(doc['tasks'])}")
     fig.tight_layout()
