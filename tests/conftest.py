@@ -3,6 +3,7 @@
 CPU by default. `pytest --gpu` (or `-m gpu`) on a CUDA machine runs the kernels natively
 instead of in interpret mode; tests marked `gpu` are skipped without a GPU.
 """
+import gc
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -29,6 +30,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop each module's compiled executables when it ends. Every CPU executable keeps its
+    JIT-compiled code mapped; the whole suite compiles enough of them to pass the kernel's
+    limit on memory maps (vm.max_map_count, 65530 by default), where the next compile
+    segfaults."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
