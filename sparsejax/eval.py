@@ -7,8 +7,10 @@
 Tasks are the synthetic long-context tasks of `sparsejax.train.data` (exact-match answers).
 Each method runs greedy `generate` twice: once with diagnostics (accuracy, and per decode step
 and layer the recall and attention-output error against dense attention), once without them
-for tokens/s (compiled ahead of time once per method, so the compile is excluded). Methods' layer choices are scaled to the
-model's depth (`methods.budget_ratio_methods`); the chosen layers are in the output.
+for tokens/s (compiled ahead of time once per method, so the compile is excluded). Methods'
+layer choices are scaled to the model's depth (`methods.budget_ratio_methods`); the chosen
+layers are in the output. Lychee uses the gates shipped beside the model (`gates/*.json`, the
+first by name), or random retrieval heads when there are none.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ def parse_methods(spec: str) -> list[str]:
     return names
 
 
-def shipped_retrieval_heads(model_dir: Path | None, num_heads: int | None = None):
+def shipped_retrieval_heads(model_dir: Path | None):
     """Retrieval heads trained for the model and shipped beside it (gates/), if any."""
     if model_dir is None:
         return None
@@ -51,8 +53,6 @@ def shipped_retrieval_heads(model_dir: Path | None, num_heads: int | None = None
     from sparsejax.train.gates import load_retrieval_heads
 
     candidates = sorted(p for p in gates.iterdir() if p.suffix == ".json")
-    if num_heads is not None:
-        candidates = [p for p in candidates if p.stem.endswith(f"-{num_heads}")] or candidates
     return load_retrieval_heads(candidates[0]) if candidates else None
 
 
