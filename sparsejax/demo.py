@@ -46,6 +46,11 @@ def run(args) -> int:
         print(f"{r['method']:<14} {r['budget_ratio']:>6.2f} {r['accuracy']:>8.3f} "
               f"{r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} {r['tokens_per_s']:>9.1f}  "
               f"{r['config']['roles']}")
+    dense = {r["task"]: r["accuracy"] for r in doc["results"] if r["method"] == "dense"}
+    if dense:
+        print("\ndense accuracy per task: " + ", ".join(
+            f"{t} {dense[t]:.2f}" for t in data.TASKS) + f" (what the model itself can do: "
+            f"{path / 'README.md'})")
     print(f"\nrecall: dense attention mass inside what the sparse layers attended to; attn err: "
           f"relative L2 error of their attention output vs dense. Lychee's retrieval heads: "
           f"{doc['lychee_retrieval_heads']}. CPU timings include no compile.")
