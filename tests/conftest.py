@@ -13,6 +13,9 @@ import pytest
 
 jax.config.update("jax_enable_x64", False)
 
+# the `model` and `prompts` fixtures of the method and RESA tests
+pytest_plugins = ["small_model"]
+
 
 def pytest_addoption(parser):
     parser.addoption("--gpu", action="store_true", help="run Pallas kernels natively on the GPU")

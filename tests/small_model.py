@@ -1,6 +1,8 @@
-"""The small random Llama and ragged prompts that the method and RESA tests share."""
+"""The small random Llama and ragged prompts that the method and RESA tests share (its
+module-scoped fixtures `model` and `prompts` are registered in conftest.py)."""
 import jax
 import numpy as np
+import pytest
 
 import sparsejax
 from sparsejax.models import ModelConfig, init_params
@@ -22,3 +24,13 @@ def make_prompts() -> np.ndarray:
     for i, n in enumerate(LENGTHS):
         ids[i, :n] = rng.integers(0, CFG.vocab_size, n)
     return ids
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()

@@ -12,19 +12,9 @@ from sparsejax import cache as kv
 from sparsejax import methods as M
 from sparsejax.models import ModelConfig
 from sparsejax.plan import Role
-from small_model import CFG, LENGTHS, RETRIEVAL, make_model, make_prompts
+from small_model import CFG, LENGTHS, RETRIEVAL
 
 HEAD_MAP = np.array([[0, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]])
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
 
 
 def full_budget_methods(page_size: int, capacity: int):

@@ -12,17 +12,7 @@ from sparsejax import resa
 from sparsejax.models import forward
 from sparsejax.pallas_kernels import sparse_decode_attention_reference
 from sparsejax.plan import Residual
-from small_model import CFG, LENGTHS, RETRIEVAL, make_model, make_prompts
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return make_prompts()
-
+from small_model import CFG, LENGTHS, RETRIEVAL
 
 def base_methods():
     return {
