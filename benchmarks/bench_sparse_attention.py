@@ -66,10 +66,11 @@ BYTES = 2  # bf16
 HEAD_MAP = np.array([3, 3, 0, 5, 5, 1, 7, 7], np.int32)  # many-to-one, not the identity
 
 
-def sweep_point(block_n=64, splits=None, num_warps=4, num_stages=2, prefetch=True,
+def sweep_point(block_n=64, splits=None, num_warps=None, num_stages=2, prefetch=True,
                 split_tokens=None) -> dict:
     """A tuning config to sweep. splits: per sparse row group (None: the kernel's default
-    rule; 1: the direct-write path); split_tokens, when given, overrides splits."""
+    rule; 1: the direct-write path); split_tokens, when given, overrides splits; num_warps
+    None: the kernel's default (2 for sparse-only work at D <= 128, else 4)."""
     return dict(block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
                 prefetch=prefetch, split_tokens=split_tokens)
 
@@ -77,6 +78,7 @@ def sweep_point(block_n=64, splits=None, num_warps=4, num_stages=2, prefetch=Tru
 KNOB_SWEEP = [  # every family, at the default split rule; the first is the default tuning
     sweep_point(), sweep_point(prefetch=False), sweep_point(num_stages=3),
     sweep_point(128, num_stages=3), sweep_point(32), sweep_point(128, num_warps=8),
+    sweep_point(num_warps=2), sweep_point(num_warps=4), sweep_point(num_warps=8),
 ]
 SPLIT_SWEEP = {  # per family; the default rule's split count is noted. block_n=32 halves
     # the K/V buffers: more programs resident per SM, so 512 row groups may fit in one wave.
@@ -214,7 +216,8 @@ class Bench:
                                  block_n=config["block_n"])
         if config["split_tokens"] is not None:
             tuning["split_tokens"] = max(config["block_n"], config["split_tokens"])
-        return {**tuning, **{k: config[k] for k in ("num_warps", "num_stages", "prefetch")}}
+        return {**tuning, **{k: config[k] for k in ("num_warps", "num_stages", "prefetch")
+                             if config[k] is not None}}
 
     def num_splits(self, args, opts, tuning) -> int:
         _, sparse, dense = self.shape_facts(args, opts)

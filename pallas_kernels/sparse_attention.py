@@ -267,14 +267,17 @@ def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
 
     block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256). split_tokens: the sparse
     stream in `_default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
-    dense head's max_pages*P tokens.
+    dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
+    M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
+    case of benchmarks/bench_sparse_attention.py), 4 with dense heads or D = 256.
     """
     block_n = block_n or (64 if head_dim <= 128 else 32)
     splits = _default_splits(row_groups, sparse_tokens) if splits is None else splits
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
-    return {"block_n": block_n, "split_tokens": split, "num_warps": 4, "num_stages": 2,
-            "prefetch": True}
+    num_warps = 2 if dense_tokens == 0 and head_dim <= 128 else 4
+    return {"block_n": block_n, "split_tokens": split, "num_warps": num_warps,
+            "num_stages": 2, "prefetch": True}
 
 
 @functools.partial(

@@ -304,6 +304,10 @@ def test_default_split_rule():
     assert splits(64, 13056, 131072)[0] <= 128  # Lychee with dense heads
     assert splits(4, 100)[0] == 1  # tiny streams are not split below a step
     assert _default_tuning(256, 512, 1024)["block_n"] == 32
+    # two warps for sparse-only streams at D <= 128, four with dense heads or at D = 256
+    assert _default_tuning(128, 512, 819)["num_warps"] == 2
+    assert _default_tuning(128, 64, 13056, 131072)["num_warps"] == 4
+    assert _default_tuning(256, 512, 1024)["num_warps"] == 4
 
 
 @pytest.mark.parametrize("unit", ["token", "page", "block"])
