@@ -50,7 +50,12 @@ def test_prompt_layout(vocab, task, context):
     assert not np.isin(s.input_ids[1:], [tokenizer.BOS_ID, tokenizer.EOS_ID, tokenizer.PAD_ID,
                                           tokenizer.UNK_ID]).any()
     tail = vocab.decode(s.input_ids[-20:])
-    assert "? answer :" in tail and tail.endswith(("? answer :", " is"))
+    assert "? answer :" in tail
+    if task == "vt":
+        assert tail.endswith("? answer :")
+    else:   # the restated needle, up to the value
+        key = vocab.decode(s.input_ids[-1:])
+        assert tail.endswith(f"? answer : the special magic number for {key}")
     assert s.answer_ids[-1] == tokenizer.EOS_ID
     assert len(s.answer_ids) <= data.MAX_ANSWER_TOKENS
     assert tokenizer.EOS_ID not in s.answer_ids[:-1]
@@ -67,23 +72,23 @@ def test_answers_come_from_the_needles(vocab, context):
     for index in range(5):
         s = data.make_sample("niah", context, 1, index)
         (p,) = s.needle_positions
-        key = vocab.decode(s.input_ids[-2])
+        key = vocab.decode(s.input_ids[-1:])
         value = vocab.decode(s.answer_ids[:-1])
-        assert _needle_text(vocab, s, p) == f"the special magic number for {key} is {value} ."
+        assert _needle_text(vocab, s, p) == f"the special magic number for {key} {value} ."
         assert s.distractor_positions == ()
 
         s = data.make_sample("multikey", context, 1, index)
         assert len(s.needle_positions) == 1
         assert len(s.distractor_positions) == data.MULTIKEY_NEEDLES - 1
-        key = vocab.decode(s.input_ids[-2])
-        want = f"the special magic number for {key} is {vocab.decode(s.answer_ids[:-1])} ."
+        key = vocab.decode(s.input_ids[-1:])
+        want = f"the special magic number for {key} {vocab.decode(s.answer_ids[:-1])} ."
         assert _needle_text(vocab, s, s.needle_positions[0]) == want
         for p in s.distractor_positions:   # distractors: other keys
-            assert f" for {key} is " not in _needle_text(vocab, s, p)
+            assert f" for {key} " not in _needle_text(vocab, s, p)
 
         s = data.make_sample("multivalue", context, 1, index)
-        key = vocab.decode(s.input_ids[-2])
-        values = [_needle_text(vocab, s, p).split(" is ")[1][:-2]
+        key = vocab.decode(s.input_ids[-1:])
+        values = [_needle_text(vocab, s, p).split(f" for {key} ")[1][:-2]
                   for p in s.needle_positions]
         assert len(values) == data.MULTIVALUE_NEEDLES
         assert vocab.decode(s.answer_ids[:-1]) == " , ".join(values)
@@ -179,3 +184,19 @@ def test_generator_uses_a_loaded_tokenizers_ids(hf_tokenizer):
     np.testing.assert_array_equal(a.input_ids, b.input_ids)
     with pytest.raises(ValueError, match="lacks"):
         data.make_sample("vt", 300, 0, 9, {"<pad>": 0})
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_copy_task_continues_a_sequence_of_the_haystack(vocab, context):
+    """The training-only copy task: the question ends with the first tokens of a random sequence
+    in the haystack, and the answer is the rest of that sequence."""
+    for index in range(5):
+        s = data.make_sample("copy", context, 2, index)
+        (p,) = s.needle_positions
+        sequence = s.input_ids[p:p + data.COPY_TOKENS]
+        np.testing.assert_array_equal(s.input_ids[-data.COPY_PROMPT_TOKENS:],
+                                      sequence[:data.COPY_PROMPT_TOKENS])
+        np.testing.assert_array_equal(s.answer_ids[:-1], sequence[data.COPY_PROMPT_TOKENS:])
+        assert np.isin(sequence, np.r_[vocab.numbers, vocab.keys]).all()
+    with pytest.raises(ValueError, match="task='copy2'"):
+        data.make_sample("copy2", 256, 0, 0)

@@ -73,11 +73,10 @@ def test_passkey_data(tokenizer, tmp_path):
     assert len(asked) == 10
     for question in asked:
         key = question.split()[5]
-        answer = question.split(f"for {key} is ")[-1].split()
+        answer = question.split(f"answer : the special magic number for {key} ")[-1].split()
         assert len(answer) == 33 and answer[-1] == "."
-        at = [i for i in range(1, len(words) - 1)
-              if words[i - 1:i + 2] == ["for", key, "is"]]
-        assert len(at) == 1 and words[at[0] + 2:at[0] + 35] == answer
+        at = [i for i in range(1, len(words) - 1) if words[i - 1:i + 1] == ["for", key]]
+        assert len(at) == 1 and words[at[0] + 1:at[0] + 34] == answer
     # a filler file: windows of its tokens
     filler = tmp_path / "filler.txt"
     filler.write_text("the cat sat on the mat . " * 50)

@@ -7,22 +7,24 @@ follows the prompt and ends with </s>. Values are three number tokens drawn unif
 (10⁶ values); keys and variable names come from their own word lists, disjoint from the filler,
 so an answer can only be read from the context.
 
-  niah        needle    the special magic number for <key> is <v1> <v2> <v3> .
+  niah        needle    the special magic number for <key> <v1> <v2> <v3> .
               question  what is the special magic number for <key> ? answer :
-                        the special magic number for <key> is
+                        the special magic number for <key>
               answer    <v1> <v2> <v3> </s>
   multikey    4 such needles with distinct keys in random order; the question asks for one.
   multivalue  4 needles of one key with different values;
               question  what are all the special magic numbers for <key> ? answer :
-                        the special magic number for <key> is
-              answer    <a1> <a2> <a3> , <b1> <b2> <b3> , … </s>   (in order of appearance)
+                        the special magic number for <key>
+              answer    <a1> <a2> <a3> , <b1> <b2> <b3> , …  </s>   (in order of appearance)
   vt          a chain  var X1 = <v1> <v2> <v3> .  var X2 = X1 .  …  var X5 = X4 .  in order,
               interleaved with a distractor chain of another value and other names;
               question  which variables have the value <v1> <v2> <v3> ? answer :
               answer    X1 X2 X3 X4 X5 </s>
-The questions end, as RULER's do, by restating the needle up to the answer: the first answer
-token is then a copy of what follows "<key> is" in the context, which a small model learns
-about twice as fast (in steps) as a lookup from "? answer :".
+The questions end, as RULER's do, by restating the needle up to the answer, and the value
+follows its key directly: the first answer token is what followed the current token (the key)
+in the context, the plain induction match, and each further token what followed the previous
+one. Training also reads "copy" (TRAIN_TASKS), which needs that match and nothing else
+(`sparsejax.train.pretrain` says why it comes first).
 
 Sample `index` of (seed, task, context) is always the same: its random stream is seeded from
 exactly those four numbers.
@@ -40,6 +42,13 @@ import numpy as np
 from .tokenizer import BOS_ID, EOS_ID, PAD_ID, Vocab, as_vocab
 
 TASKS = ("niah", "multikey", "multivalue", "vt")
+# Training also reads "copy": a random sequence of number and key tokens in the haystack; the
+# question gives its first COPY_PROMPT_TOKENS and the answer is the rest. Only an induction head
+# (attend to the token after the last occurrence of the current one, copy it) solves it, so the
+# content match that multikey and vt need forms early instead of position-based copying.
+TRAIN_TASKS = TASKS + ("copy",)
+COPY_TOKENS = 12
+COPY_PROMPT_TOKENS = 2
 VALUE_TOKENS = 3          # number tokens per value
 MULTIKEY_NEEDLES = 4      # one asked for, three distractors
 MULTIVALUE_NEEDLES = 4
@@ -72,7 +81,7 @@ class _Task(NamedTuple):
 
 
 _PHRASES = {
-    "needle": "the special magic number for", "is": "is", ".": ".", ",": ",", "var": "var",
+    "needle": "the special magic number for", ".": ".", ",": ",", "var": "var",
     "=": "=", "ask_one": "what is the special magic number for",
     "ask_all": "what are all the special magic numbers for",
     "ask_vars": "which variables have the value", "end": "? answer :",
@@ -125,7 +134,7 @@ class _Draws:
 
 
 def _magic_needle(p: dict, key: int, value: list[int]) -> list[int]:
-    return p["needle"] + [key] + p["is"] + value + p["."]
+    return p["needle"] + [key] + value + p["."]
 
 
 def _niah(draw: _Draws, ids: _Ids) -> _Task:
@@ -142,7 +151,7 @@ def _keys_task(draw: _Draws, ids: _Ids, num_keys: int) -> _Task:
     values = draw.values(ids.numbers, num_keys)
     target = draw.below(num_keys)
     key = keys[target]
-    question = p["ask_one"] + [key] + p["end"] + p["needle"] + [key] + p["is"]
+    question = p["ask_one"] + [key] + p["end"] + p["needle"] + [key]
     return _Task([_magic_needle(p, k, v) for k, v in zip(keys, values)],
                  [i == target for i in range(num_keys)], question, values[target])
 
@@ -151,7 +160,7 @@ def _multivalue(draw: _Draws, ids: _Ids) -> _Task:
     p = ids.phrase
     (key,) = draw.distinct(ids.keys, 1)
     values = draw.values(ids.numbers, MULTIVALUE_NEEDLES)
-    question = p["ask_all"] + [key] + p["end"] + p["needle"] + [key] + p["is"]
+    question = p["ask_all"] + [key] + p["end"] + p["needle"] + [key]
     answer = values[0] + [t for v in values[1:] for t in p[","] + v]
     return _Task([_magic_needle(p, key, v) for v in values], [True] * MULTIVALUE_NEEDLES,
                  question, answer)
@@ -182,7 +191,15 @@ def _vt(draw: _Draws, ids: _Ids) -> _Task:
     return _Task(needles, is_target, question, chains_names[0])
 
 
-_BUILDERS = {"niah": _niah, "multikey": _multikey, "multivalue": _multivalue, "vt": _vt}
+def _copy(draw: _Draws, ids: _Ids) -> _Task:
+    pool = ids.numbers + ids.keys
+    sequence = [pool[draw.below(len(pool))] for _ in range(COPY_TOKENS)]
+    return _Task([sequence + ids.phrase["."]], [True],
+                 ids.phrase["end"] + sequence[:COPY_PROMPT_TOKENS], sequence[COPY_PROMPT_TOKENS:])
+
+
+_BUILDERS = {"niah": _niah, "multikey": _multikey, "multivalue": _multivalue, "vt": _vt,
+             "copy": _copy}
 
 
 # ---- one sample -----------------------------------------------------------------------------
@@ -205,7 +222,7 @@ def make_sample(task: str, context: int, seed: int, index: int,
     for name, value in (("context", context), ("seed", seed), ("index", index)):
         if not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name}={value!r}: expected an int >= 0")
-    rng = _generator(int(seed), TASKS.index(task), int(context), int(index))
+    rng = _generator(int(seed), TRAIN_TASKS.index(task), int(context), int(index))
     draw = _Draws(rng)
     t = _BUILDERS[task](draw, _ids(vocab))
     needle_tokens = sum(len(n) for n in t.needles)
@@ -263,8 +280,8 @@ def _generator(*key: int) -> np.random.Generator:
 
 
 def _check_task(task: str) -> str:
-    if task not in TASKS:
-        raise ValueError(f"task={task!r}: expected one of {TASKS}")
+    if task not in TRAIN_TASKS:
+        raise ValueError(f"task={task!r}: expected one of {TRAIN_TASKS}")
     return task
 
 
@@ -295,7 +312,7 @@ class TrainBatch(NamedTuple):
     target_positions: np.ndarray  # [B, MAX_ANSWER_TOKENS] int32 positions predicting an answer
     targets: np.ndarray           # [B, MAX_ANSWER_TOKENS] int32 the answer tokens (0 where masked)
     target_mask: np.ndarray       # [B, MAX_ANSWER_TOKENS] float32 1 on real answer tokens
-    task_ids: np.ndarray          # [B] int32 index into TASKS
+    task_ids: np.ndarray          # [B] int32 index into TRAIN_TASKS
 
 
 def train_batch(samples: Sequence[Sample], seq_len: int) -> TrainBatch:
@@ -317,5 +334,5 @@ def train_batch(samples: Sequence[Sample], seq_len: int) -> TrainBatch:
         positions[row, :n] = np.arange(P - 1, P + n - 1)
         targets[row, :n] = s.answer_ids
         mask[row, :n] = 1.0
-    task_ids = np.asarray([TASKS.index(s.task) for s in samples], np.int32)
+    task_ids = np.asarray([TRAIN_TASKS.index(s.task) for s in samples], np.int32)
     return TrainBatch(tokens, lengths, positions, targets, mask, task_ids)

@@ -3,9 +3,9 @@ trains on it): ten 32-word passkeys inserted at random depths into filler text; 
 a question and its answer per passkey, read back in order.
 
     prompt    [<s>] filler … needle_1 … needle_2 … needle_n … filler
-    needle_i  the special magic number for <key_i> is <w_1> … <w_32> .
+    needle_i  the special magic number for <key_i> <w_1> … <w_32> .
     targets   for each i:  what is the special magic number for <key_i> ? answer :
-                           the special magic number for <key_i> is <w_1> … <w_32> .
+                           the special magic number for <key_i> <w_1> … <w_32> .
 Keys are distinct words of words.txt's [keys] list; passkey words are the numbers 0–99, drawn
 uniformly. The phrases use only the word-level vocabulary of the shipped model
 (`sparsejax.train.tokenizer`), so they tokenize without <unk> there, and they are plain
@@ -34,7 +34,7 @@ from .tokenizer import word_lists
 NUMBERS = tuple(str(n) for n in range(100))
 SENTENCE_WORDS = 10          # mean filler words per sentence
 _PHRASES = {
-    "needle": "the special magic number for", "is": "is", "end": ".",
+    "needle": "the special magic number for", "end": ".",
     "ask": "what is the special magic number for", "restate": "? answer : the special magic "
     "number for",
 }
@@ -100,7 +100,7 @@ class PasskeyData:
         """Most tokens of a sequence of phrases; "key" and "answer" at their longest."""
         i = self._ids
         key = max(k.size for k in i["keys"])
-        answer = (i["is"].size + self.passkey_words * max(n.size for n in i["numbers"])
+        answer = (self.passkey_words * max(n.size for n in i["numbers"])
                   + i["end"].size)
         longest = {"key": key, "answer": answer}
         return sum(longest[p] if p in longest else i[p].size for p in parts)
@@ -139,7 +139,7 @@ class PasskeyData:
         needles, targets = [], []
         for key, passkey in zip(keys, words):
             key_ids = i["keys"][key]
-            answer = [i["is"], *(i["numbers"][w] for w in passkey), i["end"]]
+            answer = [*(i["numbers"][w] for w in passkey), i["end"]]
             needles.append(np.concatenate([i["needle"], key_ids, *answer]))
             targets += [i["ask"], key_ids, i["restate"], key_ids, *answer]
         num_filler = length - i["prefix"].size - sum(n.size for n in needles)
