@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_device.sh [STEP ...]
 #   steps: tests (kernel tests natively, --gpu; TESTS= overrides the files), topk, decode, sparse, step (decode step of
-#          the whole model), all (default: tests topk decode sparse step)
+#          the whole model), fidelity and calibration (benchmarks/fidelity.py's measurements
+#          of the embedded model, below), all (default: tests topk decode sparse step)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
 # them there); every step's full output goes to $OUT/device.log. Runs on the image's python3
@@ -19,6 +20,55 @@ source benchmarks/device_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 $PY -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'triton', triton.__version__, jax.devices())"
 
+# The embedded model's fidelity measurements, in parallel processes on the one GPU (their
+# compiles overlap); f32 at "highest" matmul precision, like the CPU runs.
+#   fidelity:    every method and its RESA variant on all four tasks at 4096 tokens, budgets
+#                10% / 25% -> results/fidelity.json (+ .png), then resa_error.json
+#   calibration: at 2048 tokens, calibrated DELTA/Kascade layers against evenly spaced ones
+#                (results/calibration_files/, calibration.json) and the shipped Lychee gates
+#                against random heads (gates.json)
+# Each process stops after FIDELITY_LIMIT_S seconds; groups that ran out of time are left out.
+export_fidelity_env() {
+  # batch 8: the f32 prefill's [8, 8, 4096, 4096] scores are 4.3 GB per layer
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 JAX_DEFAULT_MATMUL_PRECISION=highest
+  limit=${FIDELITY_LIMIT_S:-1800}
+  root=$PWD model=$PWD/models/assets/retrieval-tiny cal=benchmarks/results/calibration_files
+}
+
+fidelity() {
+  export_fidelity_env
+  local dir; dir=$(mktemp -d)
+  local groups=("dense,oracle,oracle+resa,streaming,streaming+resa" "quest,quest+resa,tidal,tidal+resa"
+                "delta,delta+resa,kascade,kascade+resa" "lychee,lychee+resa")
+  local i=0
+  for g in "${groups[@]}"; do
+    # outside the repository, so that its sparsejax/ folder does not shadow the package
+    (cd /tmp && timeout "$limit" $PY -m sparsejax eval --task niah,multikey,multivalue,vt \
+       --context 4096 --samples 8 --batch 8 --methods "$g" --budget-ratio 0.1,0.25 \
+       --no-timing --json "$dir/part$i.json") &
+    i=$((i + 1))
+  done
+  wait
+  $PY benchmarks/fidelity.py merge "$dir"/part*.json &&
+    $PY benchmarks/fidelity.py resa benchmarks/results/fidelity.json
+}
+
+calibration() {
+  export_fidelity_env
+  (cd /tmp && timeout "$limit" $PY -m sparsejax calibrate --method delta \
+     --out "$root/$cal/retrieval-tiny-delta.json" --plot "$root/benchmarks/results" &&
+   timeout "$limit" $PY -m sparsejax calibrate --method kascade \
+     --out "$root/$cal/retrieval-tiny-kascade.json" --plot "$root/benchmarks/results" &&
+   timeout "$limit" $PY "$root/benchmarks/fidelity.py" calibration \
+     --delta "$root/$cal/retrieval-tiny-delta.json" --kascade "$root/$cal/retrieval-tiny-kascade.json") &
+  (cd /tmp && timeout "$limit" $PY "$root/benchmarks/fidelity.py" gates \
+     --gates "$model/gates/target-4.json" "$model/gates/target-8.json") &
+  wait
+  for f in delta_shift kascade_layer_similarity; do
+    mv -f "benchmarks/results/$f.png" "benchmarks/results/calibration_$f.png"
+  done
+}
+
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse step)
 status=0
@@ -31,6 +81,8 @@ for s in "${steps[@]}"; do
     decode) cmd=($PY benchmarks/bench_decode_attention.py) ;;
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
+    fidelity) cmd=(fidelity) ;;
+    calibration) cmd=(calibration) ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
   echo "== $s: ${cmd[*]}"
