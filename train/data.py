@@ -15,7 +15,7 @@ so an answer can only be read from the context.
   multivalue  4 needles of one key with different values;
               question  what are all the special magic numbers for <key> ? answer :
                         the special magic number for <key>
-              answer    <a1> <a2> <a3> , <b1> <b2> <b3> , …  </s>   (in order of appearance)
+              answer    <a1> <a2> <a3> , <b1> <b2> <b3> , … </s>   (in order of appearance)
   vt          a chain  var X1 = <v1> <v2> <v3> .  var X2 = X1 .  …  var X5 = X4 .  in order,
               interleaved with a distractor chain of another value and other names;
               question  which variables have the value <v1> <v2> <v3> ? answer :
