@@ -32,10 +32,12 @@ alone fill the GPU (`_default_tuning`).
 Each program walks its split in steps of `block_n` tokens: token -> selected index ->
 logical position -> (page_table[b, pos // P], pos % P) -> one D-row of K and of V in the
 cache viewed as [num_pages * HK * P, D] rows, gathered with masked vector loads (each row is
-D contiguous elements, so every gather is whole 128-byte lines). As in the dense kernel, the
-index and page-table loads of step i+1 are issued in step i and carried (`prefetch`): the
-K/V addresses of a step are known when it starts, its two dependent lookups overlap the
-previous step's K/V traffic, and only the first step of a program waits for them. The row
+D contiguous elements, so every gather is whole 128-byte lines). The two lookups run ahead of
+the gathers and are carried (`lookahead`): with lookahead 2, step i issues its own K/V loads
+(addresses known when it starts), the page-table loads of step i+1 (indices read in step
+i-1) and the index loads of step i+2, none of which waits for another, so the dependent
+chain index -> page -> K/V is paid once per program, not once per step. Lookahead 1 reads
+both lookups of step i+1 in step i (the page load waits for the index load); 0 none. The row
 group's queries are padded to 16 rows (M >= 16 for the dot); with RESA the prior queries mu_Q
 are stacked under them, so one gather feeds both softmaxes. The prior's bound (positions <
 prior_length) is a per-row position limit set before the loop, one compare per logit; the
@@ -60,7 +62,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 16
-TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages", "prefetch")
+TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages", "lookahead")
 # Default split rule (`_default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
 # program's K/V buffers (64 KiB) allow ~3 resident programs per SM:
 _NUM_SMS = 132
@@ -105,7 +107,7 @@ def _sparse_decode_kernel(
     block_h: int,
     block_n: int,
     split_tokens: int,
-    prefetch: bool,
+    lookahead: int,
 ):
     refs = list(refs)
     head_map_ref = refs.pop(0) if has_head_map else None  # [HK] int32
@@ -145,20 +147,23 @@ def _sparse_decode_kernel(
     n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
     n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
 
-    def step_coords(i):
-        """Step i's K/V rows and logical positions ([block_n] int32 each; row 0 and
-        position -1 where nothing is attended)."""
+    def step_entries(i):
+        """Step i's selected indices ([block_n] int32): the first of its two dependent
+        lookups. Index entries are clamped in bounds, so the load needs no mask and waits
+        for neither `count` nor `length`; what it reads for dead tokens is discarded. With
+        dense heads the grid is mostly empty programs: there the lookup is masked off."""
         t = start + i * block_n + jnp.arange(block_n)  # offsets into the stream
-        live = t < n_tokens
-        # Index entries and page-table slots are clamped in bounds, so these loads need no
-        # mask and wait neither for `count` nor `length` (only for the previous lookup);
-        # whatever they read for dead tokens is discarded, and K/V loads are masked. With
-        # dense heads the grid is mostly empty programs: there the lookups are masked off.
         entry = jnp.minimum(t if unit == 1 else lax.div(t, unit), max_entries - 1)
         lookup = None
         if has_dense:
             lookup = jnp.broadcast_to((i < n_steps) & jnp.logical_not(dense), (block_n,))
-        idx = _load(indices_ref.at[b, g, entry], lookup, -1)
+        return _load(indices_ref.at[b, g, entry], lookup, -1)
+
+    def step_coords(i, idx):
+        """Step i's K/V rows and logical positions from its indices ([block_n] int32 each;
+        row 0 and position -1 where nothing is attended): the page-table lookup."""
+        t = start + i * block_n + jnp.arange(block_n)
+        live = t < n_tokens
         in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
         pos = idx if unit == 1 else idx * unit + lax.rem(t, unit)
         if has_dense:
@@ -190,14 +195,17 @@ def _sparse_decode_kernel(
         row_limit = jnp.where(is_q, span, prior_length_ref[b])
     scale = sm_scale * _LOG2E  # online softmax in base 2
 
-    def attend(row, pos, acc, m, l):
-        valid = pos >= 0
-        tile_mask = jnp.broadcast_to(valid[:, None], (block_n, head_dim))
-        k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)  # [block_n, D]
+    def gather(row, pos):
+        """One step's K and V tiles ([block_n, D]; zero where nothing is attended)."""
+        tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (block_n, head_dim))
+        k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
         v = plgpu.load(v_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
+        return k, v
+
+    def attend(k, v, pos, acc, m, l):
         # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
         s = plgpu.dot(qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-        keep = valid[None, :]
+        keep = (pos >= 0)[None, :]
         if has_prior_bound:
             keep = keep & (pos[None, :] < row_limit[:, None])
         s = jnp.where(keep, s, -jnp.inf)
@@ -210,18 +218,31 @@ def _sparse_decode_kernel(
                                                precision=lax.Precision.HIGHEST)
         return acc, m_new, l
 
+    # The lookups run `lookahead` steps ahead of the K/V gathers (see the module docstring):
+    # step i issues its K/V loads first, then the page lookup of step i+1 and, with
+    # lookahead 2, the index lookup of step i+2, none waiting for another.
     def step(i, carry):
-        if prefetch:  # this step's coordinates came with the carry; look up the next step's
-            acc, m, l, row, pos = carry
-            next_row, next_pos = step_coords(i + 1)
-            return (*attend(row, pos, acc, m, l), next_row, next_pos)
-        return attend(*step_coords(i), *carry)
+        acc, m, l, *ahead = carry
+        if lookahead == 0:
+            row, pos = step_coords(i, step_entries(i))
+        else:
+            row, pos = ahead[:2]
+        k, v = gather(row, pos)
+        if lookahead == 1:
+            ahead = list(step_coords(i + 1, step_entries(i + 1)))
+        elif lookahead == 2:
+            ahead = [*step_coords(i + 1, ahead[2]), step_entries(i + 2)]
+        return (*attend(k, v, pos, acc, m, l), *ahead)
 
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
-    carry = (acc, m, l, *step_coords(0)) if prefetch else (acc, m, l)
-    acc, m, l = lax.fori_loop(0, n_steps, step, carry)[:3]
+    ahead = ()
+    if lookahead >= 1:
+        ahead = step_coords(0, step_entries(0))
+    if lookahead == 2:
+        ahead = (*ahead, step_entries(1))
+    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l, *ahead))[:3]
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
@@ -270,6 +291,7 @@ def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
     dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
     M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
     case of benchmarks/bench_sparse_attention.py), 4 with dense heads or D = 256.
+    lookahead: 2 (the lookups never wait for each other; see the module docstring).
     """
     block_n = block_n or (64 if head_dim <= 128 else 32)
     splits = _default_splits(row_groups, sparse_tokens) if splits is None else splits
@@ -277,16 +299,16 @@ def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
     num_warps = 2 if dense_tokens == 0 and head_dim <= 128 else 4
     return {"block_n": block_n, "split_tokens": split, "num_warps": num_warps,
-            "num_stages": 2, "prefetch": True}
+            "num_stages": 2, "lookahead": 2}
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("mode", "unit", "sm_scale", "block_n", "split_tokens", "num_warps",
-                     "num_stages", "prefetch", "interpret"))
+                     "num_stages", "lookahead", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
                           dense_heads, prior_query, prior_length, *, mode, unit, sm_scale,
-                          block_n, split_tokens, num_warps, num_stages, prefetch, interpret):
+                          block_n, split_tokens, num_warps, num_stages, lookahead, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, kv_heads, page_size = k_pages.shape[:3]
     max_pages, max_entries = page_table.shape[1], indices.shape[2]
@@ -315,7 +337,7 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
         has_dense=dense_heads is not None, has_prior=has_prior,
         has_prior_bound=prior_length is not None, unit=unit, kv_heads=kv_heads,
         page_size=page_size, sm_scale=sm_scale, block_h=block_h, block_n=block_n,
-        split_tokens=split_tokens, prefetch=prefetch)
+        split_tokens=split_tokens, lookahead=lookahead)
     partials = common.pallas_call(
         kernel,
         grid=(row_groups, num_splits),
@@ -404,8 +426,8 @@ def _check_tuning(tuning: dict) -> None:
     for name in ("num_warps", "num_stages"):
         if tuning[name] < 1:
             raise ValueError(f"{name}={tuning[name]}: expected a positive int")
-    if not isinstance(tuning["prefetch"], bool):
-        raise ValueError(f"prefetch={tuning['prefetch']!r}: expected a bool")
+    if tuning["lookahead"] not in (0, 1, 2) or isinstance(tuning["lookahead"], bool):
+        raise ValueError(f"lookahead={tuning['lookahead']!r}: expected 0, 1 or 2")
 
 
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
@@ -433,8 +455,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     the attended positions j < prior_length and its weighted sum of v_j (for dense heads
     that is every j < min(length, prior_length)). An empty set gives out 0 and lse -inf.
     `tuning` (Pallas only, static): block_n, split_tokens (>= the longest stream: one split,
-    written directly with no merge), num_warps, num_stages, prefetch (look up the next
-    step's K/V rows one step ahead; default True).
+    written directly with no merge), num_warps, num_stages, lookahead (0, 1 or 2: how many
+    steps ahead of the K/V gathers the index and page-table lookups run; default 2).
     """
     mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
                          head_map, dense_heads, prior_query, prior_length, tuning)

@@ -208,7 +208,7 @@ CONFIGS = st.fixed_dictionaries(dict(
     heads=st.sampled_from([(8, 2), (4, 4), (16, 1)]),
     head_map=st.sampled_from(["random", "none"]),
     path=st.sampled_from(["split", "direct"]),
-    prefetch=st.booleans(),
+    lookahead=st.sampled_from([0, 1, 2]),
 ))
 
 
@@ -218,7 +218,7 @@ CONFIGS = st.fixed_dictionaries(dict(
        edge=st.sampled_from([1, 7, 8, 9, 47, 48]))
 def test_kernel_matches_reference(interpret, cfg, seed, edge):
     q_heads, kv_heads = cfg.pop("heads")
-    tuning = dict(TUNINGS[cfg.pop("path")], prefetch=cfg.pop("prefetch"))
+    tuning = dict(TUNINGS[cfg.pop("path")], lookahead=cfg.pop("lookahead"))
     # One row at a page-boundary length (P = 8), the other random.
     case, opts = make_case(seed, q_heads=q_heads, kv_heads=kv_heads,
                            lengths=[edge, 1 + seed % 48], **cfg)
@@ -436,7 +436,7 @@ def test_lowers_for_cuda_prior_bound(groups, unit, path, bound):
     for b in (bound, "default"):
         case, opts = make_case(7, batch=4, groups=groups, unit=unit, prior=True, prior_bound=b,
                                k_max=64, max_pages=32, **BF16_32x8)
-        tuning = dict(prefetch=False, split_tokens=128 if path == "split" else 2**16)
+        tuning = dict(lookahead=0, split_tokens=128 if path == "split" else 2**16)
         texts[b] = _lower_and_check_grid(case, opts, tuning, path)
     operands = {b: len(re.search(r"custom_call @__gpu\$xla\.gpu\.triton\(([^)]*)\)", t)
                        .group(1).split(",")) for b, t in texts.items()}
@@ -444,9 +444,9 @@ def test_lowers_for_cuda_prior_bound(groups, unit, path, bound):
 
 
 @pytest.mark.parametrize("groups,unit,dense,prior,path,tuning", [
-    ("kv", "token", "none", True, "direct", dict(block_n=32, prefetch=False)),
-    ("shared", "page", "some", False, "split", dict(block_n=128, num_warps=8, prefetch=False)),
-    ("q", "block", "none", True, "split", dict(block_n=32, num_stages=3)),
+    ("kv", "token", "none", True, "direct", dict(block_n=32, lookahead=0)),
+    ("shared", "page", "some", False, "split", dict(block_n=128, num_warps=8, lookahead=2)),
+    ("q", "block", "none", True, "split", dict(block_n=32, num_stages=3, lookahead=2)),
     ("kv", "page", "some", True, "direct", dict(block_n=128, num_stages=3)),
 ])
 def test_lowers_for_cuda_sweep_knobs(groups, unit, dense, prior, path, tuning):
@@ -504,7 +504,8 @@ def _bad(name, fn):
     _bad("tuning", lambda c, o: o.update(blockn=32)),
     _bad("block_n", lambda c, o: o.update(block_n=24)),
     _bad("split_tokens", lambda c, o: o.update(split_tokens=40, block_n=16)),
-    _bad("prefetch", lambda c, o: o.update(prefetch=1)),
+    _bad("lookahead", lambda c, o: o.update(lookahead=3)),
+    _bad("lookahead", lambda c, o: o.update(lookahead=True)),
     _bad("backend", lambda c, o: o.update(backend="cuda")),
 ])
 def test_bad_inputs(mutate, match):
