@@ -9,24 +9,23 @@ Cases (bf16, HQ=32, HK=8, D=128, P=16, every row at the full context):
            (LycheeDecode's kernel setting: 90% sparsity, block 64), 0/1/2/4 of 8 KV heads dense.
 Each case is first checked natively against the reference; a wrong case is reported and
 skipped. Each family sweeps tuning configs at one size (block_n, warps, stages, the
-one-step lookahead `prefetch`, and splits per row group: one split is the direct-write path
+lookahead of the index/page lookups, and splits per row group: one split is the direct-write path
 with no merge) and uses the best for the rest; Kascade, whose work per row group scales with
 the context, re-picks its split count at 8k and 128k among a few candidates. Every kernel is
 also timed with RESA `prior_query` set (target <= 1.15x without). Each timing runs enough
 back-to-back calls (>= ~20 ms) that the launch and sync at the ends of a batch are noise.
 
-The prior on the direct (one-split) path, where a call is ~0.06-0.08 ms, is taken apart
-(`isolate_prior`; every row's ratio_to_no_prior is against the kernel without the prior at
-the same tuning):
+Times are GPU time per call from the profiler (`harness.device_time_ms`): the host's dispatch
+of one call (~0.03-0.05 ms) is as long as the smallest cases here, so back-to-back wall-clock
+calls would time the host. Each main row also carries `wall_ms`, the wall-clock time per call
+of back-to-back calls, for what a caller dispatching one layer at a time sees.
+
+The prior on the direct (one-split) path is taken apart (`isolate_prior`; ratio_to_no_prior
+is against the kernel without the prior at the same tuning):
   +prior            prior_length omitted: the kernel has no prior mask (the bound is implied)
   +prior_bound      prior_length = lengths - 16, another array: the per-row mask in the loop
-  +prior/out_lse    the prior kernel, only (out, lse) returned: the cost of 2 more outputs
-                    per call on the host/runtime side (the kernel still writes them)
-  */chained         32 calls chained in one executable (q <- out): device time per call,
-                    no per-call dispatch; with and without the prior
-  +prior/sweep      other knobs with and without the prior (prefetch flipped, block_n=32,
+  +prior/sweep      other knobs with and without the prior (another lookahead, block_n=32,
                     8 warps), and +prior@best: the best prior time / the best time without
-A prior cost seen per call but not /chained is host-side; one seen /chained is the kernel.
 
   python benchmarks/bench_sparse_attention.py            # H200, < 5 minutes
   python benchmarks/bench_sparse_attention.py --smoke    # tiny shapes, CPU interpret mode
@@ -66,17 +65,18 @@ BYTES = 2  # bf16
 HEAD_MAP = np.array([3, 3, 0, 5, 5, 1, 7, 7], np.int32)  # many-to-one, not the identity
 
 
-def sweep_point(block_n=64, splits=None, num_warps=None, num_stages=2, prefetch=True,
+def sweep_point(block_n=64, splits=None, num_warps=None, num_stages=2, lookahead=None,
                 split_tokens=None) -> dict:
     """A tuning config to sweep. splits: per sparse row group (None: the kernel's default
     rule; 1: the direct-write path); split_tokens, when given, overrides splits; num_warps
-    None: the kernel's default (2 for sparse-only work at D <= 128, else 4)."""
+    None: the kernel's default (2 for sparse-only work at D <= 128, else 4); lookahead None: the
+    kernel's default (2)."""
     return dict(block_n=block_n, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                prefetch=prefetch, split_tokens=split_tokens)
+                lookahead=lookahead, split_tokens=split_tokens)
 
 
 KNOB_SWEEP = [  # every family, at the default split rule; the first is the default tuning
-    sweep_point(), sweep_point(prefetch=False), sweep_point(num_stages=3),
+    sweep_point(), sweep_point(lookahead=0), sweep_point(lookahead=1), sweep_point(num_stages=3),
     sweep_point(128, num_stages=3), sweep_point(32), sweep_point(128, num_warps=8),
     sweep_point(num_warps=2), sweep_point(num_warps=4), sweep_point(num_warps=8),
 ]
@@ -88,8 +88,7 @@ SPLIT_SWEEP = {  # per family; the default rule's split count is noted. block_n=
 }
 TIME_BUDGET_S = 270  # sweeps stop early, and later families are skipped, past this
 PRIOR_GAP = 16  # +prior_bound: the prior covers all but the last 16 positions (a prompt)
-CHAIN = 32  # kernel calls per executable in the */chained rows
-COLUMNS = ("case", "context", "batch", "ms", "floor_ms", "peer_ms", "ratio_to_floor",
+COLUMNS = ("case", "context", "batch", "ms", "wall_ms", "floor_ms", "peer_ms", "ratio_to_floor",
            "ratio_to_peer", "ratio_to_no_prior", "num_splits", "out_err")
 
 
@@ -118,11 +117,16 @@ class Bench:
         return make(jax.random.split(sub, slices))
 
     def time(self, fn, *args) -> float:
-        """Median of 5 batches of back-to-back calls, each batch >= ~20 ms: at 0.05-0.1 ms per
-        call a fixed 20 calls would add the ~50 us of first launch and final sync per batch
-        (2-3 us per call, a few percent of the small cases) to the device time."""
+        """GPU time per call (the profiler's kernel records); wall clock in smoke runs."""
         if self.smoke:
             return harness.time_ms(fn, *args, calls=1, repeats=1, warmup=1)
+        return harness.device_time_ms(fn, *args)[0]
+
+    def wall(self, fn, *args) -> float:
+        """Wall-clock time per call: median of 5 batches of back-to-back calls, each batch
+        >= ~20 ms, so that the first launch and the final sync of a batch are noise."""
+        if self.smoke:
+            return self.time(fn, *args)
         rough = harness.time_ms(fn, *args, calls=10, repeats=1, warmup=3)
         calls = int(min(1000, max(20, 20.0 / max(rough, 1e-3))))
         return harness.time_ms(fn, *args, calls=calls, repeats=5, warmup=1)
@@ -169,24 +173,9 @@ class Bench:
                                        **self.prior_opts(a), backend="pallas",
                                        interpret=self.interpret, **tuning)
 
-    def kernel(self, args, opts, tuning, out_lse_only=False):
-        """The AOT-compiled kernel (args as `prior_opts` reads them); out_lse_only: return
-        only (out, lse), whatever the kernel writes."""
-        def call(*a):
-            res = self.call(a, opts, tuning)
-            return (res.out, res.lse) if out_lse_only else res
-        return harness.compiled(call, *args)
-
-    def chained(self, args, opts, tuning):
-        """CHAIN kernel calls in one executable, each call's out the next call's q (a real
-        dependency: nothing is hoisted or overlapped); time / CHAIN is the device time per
-        call without the per-call dispatch."""
-        reps = 2 if self.smoke else CHAIN
-
-        def run(*a):
-            return jax.lax.fori_loop(0, reps, lambda _, q: self.call(a, opts, tuning, q).out,
-                                     a[0])
-        return harness.compiled(run, *args), reps
+    def kernel(self, args, opts, tuning):
+        """The AOT-compiled kernel (args as `prior_opts` reads them)."""
+        return harness.compiled(lambda *a: self.call(a, opts, tuning), *args)
 
     def check(self, case, args, opts, kernel_with_prior) -> dict:
         """Native kernel vs reference (out, lse and the RESA prior); raises when wrong."""
@@ -216,7 +205,7 @@ class Bench:
                                  block_n=config["block_n"])
         if config["split_tokens"] is not None:
             tuning["split_tokens"] = max(config["block_n"], config["split_tokens"])
-        return {**tuning, **{k: config[k] for k in ("num_warps", "num_stages", "prefetch")
+        return {**tuning, **{k: config[k] for k in ("num_warps", "num_stages", "lookahead")
                              if config[k] is not None}}
 
     def num_splits(self, args, opts, tuning) -> int:
@@ -269,13 +258,14 @@ class Bench:
             self.rows.append(error_row(case, context, batch, e))
             return None
         peer_ms = self.cudnn(batch, context)
-        ms = self.time(self.kernel(args, opts, tuning), *args)
+        kernel = self.kernel(args, opts, tuning)
+        ms = self.time(kernel, *args)
         ms_prior = self.time(with_prior, *args_prior)
         common = dict(context=context, batch=batch, floor=floor, peer="cudnn", peer_ms=peer_ms,
                       tuning=tuning, num_splits=self.num_splits(args, opts, tuning),
                       gathered_tokens_per_head=gathered_tokens, **err, **extra)
         self.rows.append(harness.row(case, ms=ms, speedup_vs_peer=round(peer_ms / ms, 2),
-                                     **common))
+                                     wall_ms=round(self.wall(kernel, *args), 4), **common))
         self.rows.append(harness.row(case + "+prior", ms=ms_prior,
                                      ratio_to_no_prior=round(ms_prior / ms, 3), **common))
         if common["num_splits"] == 1:
@@ -309,22 +299,13 @@ class Bench:
 
         add("+prior_bound", self.time(self.kernel(with_bound, opts, tuning), *with_bound), ms,
             prior_gap=PRIOR_GAP, **{"bound_" + k: v for k, v in err.items() if "prior" in k})
-        add("+prior/out_lse", self.time(self.kernel(args_prior, opts, tuning, out_lse_only=True),
-                                        *args_prior), ms)
-        per_call = {}
-        for suffix, a in (("", args), ("+prior", args_prior), ("+prior_bound", with_bound)):
-            fn, reps = self.chained(a, opts, tuning)
-            per_call[suffix] = self.time(fn, *a) / reps
-            if suffix:
-                add(suffix + "/chained", per_call[suffix], per_call[""], chained=reps)
-        self.rows.append(harness.row(case + "/chained", ms=per_call[""], **common,
-                                     chained=reps))
 
         family = case.split("/")[0]
         if family in self.prior_swept or time.monotonic() > self.deadline - 90:
             return
         self.prior_swept.add(family)
-        variants = [{**config, "prefetch": not config["prefetch"]},
+        other = 1 if config["lookahead"] in (None, 2) else 2
+        variants = [{**config, "lookahead": other},
                     {**config, "block_n": 32}, {**config, "num_warps": 8}][:1 if self.smoke else 3]
         tried = [{**tuning, "ms": round(ms, 4), "ms_prior": round(ms_prior, 4)}]
         for variant in variants:
@@ -455,8 +436,7 @@ def plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     timed = [r for r in rows if r.get("ratio_to_floor") is not None and "/sweep" not in r["case"]
-             and r["case"] != "kascade/xla_gather" and "/chained" not in r["case"]
-             and "/out_lse" not in r["case"]]
+             and r["case"] != "kascade/xla_gather"]
     labels = [f"{r['case']} {r['context'] // 1024}k" if r["context"] >= 1024
               else f"{r['case']} {r['context']}" for r in timed]
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(16, 6))
@@ -465,6 +445,7 @@ def plot(rows, path: Path) -> None:
     ax0.set_xlabel("time / HBM floor of the gathered bytes (lower is better)")
     ax0.legend()
     ax1.barh(labels, [r["peer_ms"] / r["ms"] for r in timed], color="tab:green")
+    ax1.set_xscale("log")
     ax1.axvline(5, color="red", ls="--", label="lychee target 5x")
     ax1.set_xlabel("speedup vs cuDNN dense at the same context")
     ax1.set_yticklabels([])
