@@ -25,14 +25,15 @@ $PY -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxl
 #   fidelity:    every method and its RESA variant on all four tasks at 4096 tokens, budgets
 #                10% / 25% -> results/fidelity.json (+ .png), then resa_error.json
 #   calibration: at 2048 tokens, calibrated DELTA/Kascade layers against evenly spaced ones
-#                (results/calibration_files/, calibration.json) and the shipped Lychee gates
+#                (written beside the model, models/assets/retrieval-tiny/calibration/, where
+#                eval and the demo read them; results/calibration.json) and the shipped Lychee gates
 #                against random heads (gates.json)
 # Each process stops after FIDELITY_LIMIT_S seconds; groups that ran out of time are left out.
 export_fidelity_env() {
   # batch 8: the f32 prefill's [8, 8, 4096, 4096] scores are 4.3 GB per layer
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 JAX_DEFAULT_MATMUL_PRECISION=highest
   limit=${FIDELITY_LIMIT_S:-1800}
-  root=$PWD model=$PWD/models/assets/retrieval-tiny cal=benchmarks/results/calibration_files
+  root=$PWD model=$PWD/models/assets/retrieval-tiny
 }
 
 fidelity() {
@@ -56,11 +57,11 @@ fidelity() {
 calibration() {
   export_fidelity_env
   (cd /tmp && timeout "$limit" $PY -m sparsejax calibrate --method delta \
-     --out "$root/$cal/retrieval-tiny-delta.json" --plot "$root/benchmarks/results" &&
+     --out "$model/calibration/delta.json" --plot "$root/benchmarks/results" &&
    timeout "$limit" $PY -m sparsejax calibrate --method kascade \
-     --out "$root/$cal/retrieval-tiny-kascade.json" --plot "$root/benchmarks/results" &&
+     --out "$model/calibration/kascade.json" --plot "$root/benchmarks/results" &&
    timeout "$limit" $PY "$root/benchmarks/fidelity.py" calibration \
-     --delta "$root/$cal/retrieval-tiny-delta.json" --kascade "$root/$cal/retrieval-tiny-kascade.json") &
+     --delta "$model/calibration/delta.json" --kascade "$model/calibration/kascade.json") &
   (cd /tmp && timeout "$limit" $PY "$root/benchmarks/fidelity.py" gates \
      --gates "$model/gates/target-4.json" "$model/gates/target-8.json") &
   wait

@@ -53,7 +53,8 @@ def run(args) -> int:
             f"{path / 'README.md'})")
     print(f"\nrecall: dense attention mass inside what the sparse layers attended to; attn err: "
           f"relative L2 error of their attention output vs dense. Lychee's retrieval heads: "
-          f"{doc['lychee_retrieval_heads']}. CPU timings include no compile.")
+          f"{doc['lychee_retrieval_heads']}; layer choices from the calibration shipped with "
+          f"the model: {', '.join(doc['calibrated']) or 'none'}. CPU timings include no compile.")
     plot = Path(args.plot)
     evaluation.plot(doc, plot)
     print(f"plot: {plot.resolve()}  ({time.perf_counter() - t0:.0f} s)")

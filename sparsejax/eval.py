@@ -9,8 +9,11 @@ Each method runs greedy `generate` twice: once with diagnostics (accuracy, and p
 and layer the recall and attention-output error against dense attention), once without them
 for tokens/s (compiled ahead of time once per method, so the compile is excluded). Methods'
 layer choices are scaled to the model's depth (`methods.budget_ratio_methods`); the chosen
-layers are in the output. Lychee uses the gates shipped beside the model (`gates/*.json`, the
-first by name), or random retrieval heads when there are none.
+layers are in the output. What was trained or calibrated for the model and ships beside it is
+used: Lychee's gates (`gates/*.json`, the first by name; random retrieval heads when there are
+none), DELTA's Δ-layers and Kascade's anchors and head map (`calibration/delta.json`,
+`calibration/kascade.json`, made by `sparsejax calibrate`; `--no-calibration` keeps the
+defaults).
 """
 from __future__ import annotations
 
@@ -56,8 +59,24 @@ def shipped_retrieval_heads(model_dir: Path | None):
     return load_retrieval_heads(candidates[0]) if candidates else None
 
 
-def build_methods(config, names, ratio: float, context: int, retrieval_heads=None) -> dict:
-    base = M.budget_ratio_methods(config, ratio, context, retrieval_heads=retrieval_heads)
+def shipped_calibration(model_dir: Path | None, model) -> dict[str, Path]:
+    """Calibration files shipped beside the model (calibration/<method>.json), by method;
+    each is checked to be made for these weights (a stale one is an error, not skipped)."""
+    if model_dir is None:
+        return {}
+    from sparsejax.calibrate import load_calibration
+
+    found = {kind: Path(model_dir) / "calibration" / f"{kind}.json" for kind in ("delta", "kascade")}
+    found = {kind: path for kind, path in found.items() if path.is_file()}
+    for kind, path in found.items():
+        load_calibration(path, kind, model=model)
+    return found
+
+
+def build_methods(config, names, ratio: float, context: int, retrieval_heads=None,
+                  calibration=None) -> dict:
+    base = M.budget_ratio_methods(config, ratio, context, retrieval_heads=retrieval_heads,
+                                  calibration=calibration)
     out = {}
     for name in names:
         method = base[name.removesuffix("+resa")]
@@ -147,24 +166,28 @@ def summarize(rows: list[dict], method, config, task: str) -> dict:
 
 def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(),
              methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
-             timing: bool = True, progress=print) -> dict:
+             timing: bool = True, calibrated: bool = True, progress=print) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
-    model, or `methods(ratio) -> {name: method}` for any others."""
+    model, with the calibration shipped beside it unless `calibrated` is False, or
+    `methods(ratio) -> {name: method}` for any others."""
     from sparsejax.train import data
 
     retrieval = shipped_retrieval_heads(model_dir)
+    calibration = shipped_calibration(model_dir, model) if calibrated and methods is None else {}
     doc = {"model": str(model_dir) if model_dir else None, "tasks": list(tasks),
            "context": context, "samples_per_task": samples, "seed": seed,
            "device": getattr(jax.devices()[0], "device_kind", jax.default_backend()),
            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
            "lychee_retrieval_heads": "shipped gates" if retrieval is not None else
-           "random (no gates shipped with the model)", "results": []}
+           "random (no gates shipped with the model)",
+           "calibrated": sorted(calibration), "results": []}
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
     for ratio in ratios:
         chosen = (methods(ratio) if methods is not None else
-                  build_methods(model.config, method_names, ratio, context, retrieval))
+                  build_methods(model.config, method_names, ratio, context, retrieval,
+                                calibration))
         for name, method in chosen.items():
             t0 = time.perf_counter()
             rows = run_method(model, prompts, method, batch=batch,
@@ -239,6 +262,9 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="DELTA/Kascade layer choices from the defaults scaled to the depth, not "
+                   "from the calibration shipped beside the model")
     p.add_argument("--no-timing", action="store_true",
                    help="skip the tokens/s runs (half the generate calls)")
     p.add_argument("--json", default=None, help="write the results here")
@@ -265,7 +291,7 @@ def run(args) -> int:
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
                    method_names=parse_methods(args.methods), ratios=ratios, seed=args.seed,
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
-                   timing=not args.no_timing,
+                   timing=not args.no_timing, calibrated=not args.no_calibration,
                    progress=lambda s: print(s, file=sys.stderr, flush=True))
     print(table(doc))
     if args.json:

@@ -375,20 +375,30 @@ def random_retrieval_heads(config: ModelConfig, count: int, seed: int = 0) -> np
 
 
 def budget_ratio_methods(config: ModelConfig, ratio: float, context: int, *,
-                         retrieval_heads=None) -> dict[str, Any]:
-    """Every method at one budget ratio of the context, with layer choices scaled to the depth."""
+                         retrieval_heads=None, calibration=None) -> dict[str, Any]:
+    """Every method at one budget ratio of the context, with layer choices scaled to the depth.
+
+    calibration: {"delta" / "kascade": a `sparsejax calibrate` file} made for this model (the
+    caller checks that): DELTA's Δ-layers and Kascade's anchors and head map come from it
+    instead of the defaults scaled to the depth.
+    """
     L = config.num_layers
     tokens = max(1, math.ceil(ratio * context))
     pages = max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))
     recent_pages = max(1, min(8, pages // 4))
+    calibration = calibration or {}
+    delta = dict(budget_pages=pages, recent_pages=recent_pages)
+    kascade = dict(ratio=ratio, min_k=0)
     return {
         "dense": Dense(),
         "oracle": OracleTopK(k=tokens),
         "streaming": StreamingLLM(sinks=4, window=max(1, tokens - 4)),
         "quest": Quest(token_budget=tokens, dense_layers=min(2, L)),
         "tidal": TidalDecode(k=tokens).scaled_to(L),
-        "delta": DELTA(budget_pages=pages, recent_pages=recent_pages).scaled_to(L),
-        "kascade": Kascade(ratio=ratio, min_k=0).scaled_to(L),
+        "delta": (DELTA.from_calibration(calibration["delta"], **delta) if "delta" in calibration
+                  else DELTA(**delta).scaled_to(L)),
+        "kascade": (Kascade.from_calibration(calibration["kascade"], **kascade)
+                    if "kascade" in calibration else Kascade(**kascade).scaled_to(L)),
         "lychee": Lychee(retrieval_heads if retrieval_heads is not None
                          else random_retrieval_heads(config, max(1, (L - 1) * config.num_kv_heads // 8)),
                          budget=TopK(tokens), sinks=min(128, tokens // 8), recent=min(256, tokens // 4)),

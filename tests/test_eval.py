@@ -77,6 +77,32 @@ def test_evaluate(model, tmp_path):
     assert "delta+resa" in evaluation.table(doc)
 
 
+def test_evaluate_uses_the_calibration_shipped_beside_the_model(model, tmp_path):
+    from sparsejax import calibrate as C
+
+    (tmp_path / "calibration").mkdir()
+    C.save_calibration(tmp_path / "calibration" / "delta.json", model, method="delta",
+                       layers=(3,), curves={}, settings={})
+    C.save_calibration(tmp_path / "calibration" / "kascade.json", model, method="kascade",
+                       layers=(0, 3), head_map=np.array([[0, 1], [1, 0], [1, 1], [0, 1]]),
+                       curves={}, settings={})
+    kw = dict(tasks=("niah",), context=CONTEXT, samples=1, method_names=["delta", "kascade"],
+              ratios=[0.25], model_dir=tmp_path, timing=False, progress=lambda s: None)
+    # roles per layer (D dense, S select, R reuse): the Δ-layer and the anchors from the files
+    for calibrated, want in ((True, {"delta": "DDDS", "kascade": "SRRS"}),
+                             (False, {"delta": "DDSS", "kascade": "SRSS"})):
+        doc = evaluation.evaluate(model, calibrated=calibrated, **kw)
+        assert doc["calibrated"] == (["delta", "kascade"] if calibrated else [])
+        roles = {r["method"]: r["config"]["roles"] for r in doc["results"]}
+        assert roles == want, calibrated
+    # a file made for other weights is an error, not silently skipped
+    other = Model(model.config, init_params(model.config, jax.random.key(4), jnp.float32))
+    C.save_calibration(tmp_path / "calibration" / "delta.json", other, method="delta",
+                       layers=(3,), curves={}, settings={})
+    with pytest.raises(ValueError, match="params_hash"):
+        evaluation.evaluate(model, **kw)
+
+
 def test_eval_cli_writes_json(tmp_path):
     from sparsejax import cli
 
