@@ -38,6 +38,7 @@ def merge(paths: list[Path]) -> dict:
                 raise ValueError(f"{p}: {key}={d[key]!r}, but {paths[0]} has {docs[0][key]!r}")
     out = dict(docs[0], results=[r for d in docs for r in d["results"]],
                lychee_retrieval_heads=sorted({d["lychee_retrieval_heads"] for d in docs}),
+               calibrated=sorted({c for d in docs for c in d.get("calibrated", [])}),
                merged_from=[p.name for p in paths])
     return out
 
