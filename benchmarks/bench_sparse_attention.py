@@ -9,11 +9,10 @@ Cases (bf16, HQ=32, HK=8, D=128, P=16, every row at the full context):
            (LycheeDecode's kernel setting: 90% sparsity, block 64), 0/1/2/4 of 8 KV heads dense.
 Each case is first checked natively against the reference; a wrong case is reported and
 skipped. Each family sweeps tuning configs at one size (block_n, warps, stages, the
-lookahead of the index/page lookups, and splits per row group: one split is the direct-write path
-with no merge) and uses the best for the rest; Kascade, whose work per row group scales with
-the context, re-picks its split count at 8k and 128k among a few candidates. Every kernel is
-also timed with RESA `prior_query` set (target <= 1.15x without). Each timing runs enough
-back-to-back calls (>= ~20 ms) that the launch and sync at the ends of a batch are noise.
+lookahead of the index/page lookups, and splits per row group: one split is the direct-write
+path with no merge) and uses the best for the rest; Kascade, whose work per row group scales
+with the context, re-picks its split count at 8k and 128k among a few candidates. Every
+kernel is also timed with RESA `prior_query` set (target <= 1.15x without).
 
 Times are GPU time per call from the profiler (`harness.device_time_ms`): the host's dispatch
 of one call (~0.03-0.05 ms) is as long as the smallest cases here, so back-to-back wall-clock
@@ -167,15 +166,11 @@ class Bench:
         """args[7:]: the RESA prior query, then an explicit prior_length (when present)."""
         return dict(zip(("prior_query", "prior_length"), a[7:]))
 
-    def call(self, a, opts, tuning, q=None):
-        """One kernel call on args `a` (q, when given, replaces a[0])."""
-        return sparse_decode_attention(a[0] if q is None else q, *a[1:7], **opts,
-                                       **self.prior_opts(a), backend="pallas",
-                                       interpret=self.interpret, **tuning)
-
     def kernel(self, args, opts, tuning):
         """The AOT-compiled kernel (args as `prior_opts` reads them)."""
-        return harness.compiled(lambda *a: self.call(a, opts, tuning), *args)
+        return harness.compiled(lambda *a: sparse_decode_attention(
+            *a[:7], **opts, **self.prior_opts(a), backend="pallas", interpret=self.interpret,
+            **tuning), *args)
 
     def check(self, case, args, opts, kernel_with_prior) -> dict:
         """Native kernel vs reference (out, lse and the RESA prior); raises when wrong."""

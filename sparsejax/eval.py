@@ -66,8 +66,9 @@ def shipped_calibration(model_dir: Path | None, model) -> dict[str, Path]:
         return {}
     from sparsejax.calibrate import load_calibration
 
-    found = {kind: Path(model_dir) / "calibration" / f"{kind}.json" for kind in ("delta", "kascade")}
-    found = {kind: path for kind, path in found.items() if path.is_file()}
+    paths = {kind: Path(model_dir) / "calibration" / f"{kind}.json"
+             for kind in ("delta", "kascade")}
+    found = {kind: path for kind, path in paths.items() if path.is_file()}
     for kind, path in found.items():
         load_calibration(path, kind, model=model)
     return found
