@@ -119,7 +119,7 @@ class Bench:
         """GPU time per call (the profiler's kernel records); wall clock in smoke runs."""
         if self.smoke:
             return harness.time_ms(fn, *args, calls=1, repeats=1, warmup=1)
-        return harness.device_time_ms(fn, *args)[0]
+        return harness.device_time_ms(fn, *args)
 
     def wall(self, fn, *args) -> float:
         """Wall-clock time per call: median of 5 batches of back-to-back calls, each batch
@@ -299,8 +299,7 @@ class Bench:
         if family in self.prior_swept or time.monotonic() > self.deadline - 90:
             return
         self.prior_swept.add(family)
-        other = 1 if config["lookahead"] in (None, 2) else 2
-        variants = [{**config, "lookahead": other},
+        variants = [{**config, "lookahead": 1 if tuning["lookahead"] == 2 else 2},
                     {**config, "block_n": 32}, {**config, "num_warps": 8}][:1 if self.smoke else 3]
         tried = [{**tuning, "ms": round(ms, 4), "ms_prior": round(ms_prior, 4)}]
         for variant in variants:

@@ -44,14 +44,14 @@ def time_ms(fn, *args, calls: int = 50, repeats: int = 7, warmup: int = 3) -> fl
     return statistics.median(samples)
 
 
-def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> tuple[float, dict]:
+def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
     """GPU time per call, from the profiler's records of what the device ran (CUPTI).
 
     Host dispatch of one executable costs ~0.03-0.05 ms on the benchmark machines, as much as
     the smallest sparse kernels: `time_ms` of back-to-back calls then measures the host, and
     only device-side timing sees the kernel. Each kernel (or memcpy/memset) name's median
     duration times its launches per call, summed over names; gaps between the launches of
-    one call are not counted. Returns (ms, {name: us per call}).
+    one call are not counted.
     """
     from jax._src.lib import _profiler
 
@@ -73,8 +73,7 @@ def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> tuple[float, 
                     durations.setdefault(event.name, []).append(event.duration_ns)
     if not durations:
         raise RuntimeError("the profiler recorded no GPU activity (needs a GPU and CUPTI)")
-    per_call = {name: statistics.median(d) * len(d) / calls / 1e3 for name, d in durations.items()}
-    return sum(per_call.values()) / 1e3, {k: round(v, 2) for k, v in per_call.items()}
+    return sum(statistics.median(d) * len(d) for d in durations.values()) / calls / 1e6
 
 
 def compiled(fn, *args, **static):

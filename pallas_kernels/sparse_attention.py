@@ -147,12 +147,16 @@ def _sparse_decode_kernel(
     n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
     n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
 
+    def step_offsets(i):
+        """Step i's offsets into the row group's token stream ([block_n] int32)."""
+        return start + i * block_n + jnp.arange(block_n)
+
     def step_entries(i):
         """Step i's selected indices ([block_n] int32): the first of its two dependent
         lookups. Index entries are clamped in bounds, so the load needs no mask and waits
         for neither `count` nor `length`; what it reads for dead tokens is discarded. With
         dense heads the grid is mostly empty programs: there the lookup is masked off."""
-        t = start + i * block_n + jnp.arange(block_n)  # offsets into the stream
+        t = step_offsets(i)
         entry = jnp.minimum(t if unit == 1 else lax.div(t, unit), max_entries - 1)
         lookup = None
         if has_dense:
@@ -162,7 +166,7 @@ def _sparse_decode_kernel(
     def step_coords(i, idx):
         """Step i's K/V rows and logical positions from its indices ([block_n] int32 each;
         row 0 and position -1 where nothing is attended): the page-table lookup."""
-        t = start + i * block_n + jnp.arange(block_n)
+        t = step_offsets(i)
         live = t < n_tokens
         in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
         pos = idx if unit == 1 else idx * unit + lax.rem(t, unit)
