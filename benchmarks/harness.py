@@ -44,6 +44,37 @@ def time_ms(fn, *args, calls: int = 50, repeats: int = 7, warmup: int = 3) -> fl
     return statistics.median(samples)
 
 
+def _gpu_events(fn, calls: int, warmup: int):
+    """Run `fn()` `calls` times under `jax.profiler.trace` -> (GPU kernel, memcpy and memset
+    events as (name, start_ns, duration_ns), wall seconds of the traced calls)."""
+    import glob
+    import tempfile
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        wall = time.perf_counter() - t0
+        jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            raise RuntimeError("jax.profiler wrote no trace")
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):  # the other lines are views of the same events
+                events.extend((e.name, e.start_ns, e.duration_ns) for e in line.events)
+    return events, wall
+
+
 def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
     """GPU time per call, from the profiler's records of what the device ran (CUPTI).
 
@@ -53,27 +84,68 @@ def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
     duration times its launches per call, summed over names; gaps between the launches of
     one call are not counted.
     """
-    from jax._src.lib import _profiler
+    events, _ = _gpu_events(lambda: fn(*args), calls, warmup)
+    if not events:
+        raise RuntimeError("the profiler recorded no GPU activity (needs a GPU and CUPTI)")
+    durations: dict[str, list[float]] = {}
+    for name, _, duration in events:
+        durations.setdefault(name, []).append(duration)
+    return sum(statistics.median(d) * len(d) for d in durations.values()) / calls / 1e6
 
+
+KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
+    ("attention", ("paged_decode", "sparse_decode", "prefill_attention", "cudnn", "flash")),
+    ("topk", ("topk",)),
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "cublas", "dot", "matmul", "sm90", "nvjet")),
+    ("slice_copy", ("dynamic_slice", "slice_fusion", "copy")),
+    ("memcpy", ("memcpy", "memset")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def profile(fn, *, calls: int = 10, warmup: int = 3) -> dict:
+    """Per call of `fn()`: wall ms (untraced), GPU-busy ms (the union of kernel intervals),
+    kernel launches, ms per kernel class and the heaviest kernels by name."""
     for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    session = _profiler.ProfilerSession(_profiler.ProfileOptions())
+        jax.block_until_ready(fn())
+    t0 = time.perf_counter()
     out = None
     for _ in range(calls):
-        out = fn(*args)
+        out = fn()
     jax.block_until_ready(out)
-    data = jax.profiler.ProfileData.from_serialized_xspace(session.stop())
-    durations: dict[str, list[float]] = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):  # the other lines are views of the same events
-                for event in line.events:
-                    durations.setdefault(event.name, []).append(event.duration_ns)
-    if not durations:
-        raise RuntimeError("the profiler recorded no GPU activity (needs a GPU and CUPTI)")
-    return sum(statistics.median(d) * len(d) for d in durations.values()) / calls / 1e6
+    wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    events, _ = _gpu_events(fn, calls, 0)
+    events.sort(key=lambda e: e[1])
+    busy, end = 0, None
+    by_name: dict[str, float] = {}
+    by_class: dict[str, float] = {}
+    launches: dict[str, int] = {}
+    for name, start, duration in events:
+        stop = start + duration
+        if end is None or start >= end:
+            busy += duration
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+        by_name[name] = by_name.get(name, 0.0) + duration / 1e6 / calls
+        launches[name] = launches.get(name, 0) + 1
+        cls = kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + duration / 1e6 / calls
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {"wall_ms": round(wall_ms, 4), "busy_ms": round(busy / 1e6 / calls, 4),
+            "launches": len(events) / calls,
+            "by_class_ms": {k: round(v, 4) for k, v in sorted(by_class.items())},
+            "top": [(n, round(ms, 4)) for n, ms in top],
+            "kernels": {n: (launches[n] / calls, round(by_name[n], 4))
+                        for n in sorted(by_name, key=lambda n: -by_name[n])}}
 
 
 def compiled(fn, *args, **static):

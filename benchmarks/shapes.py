@@ -1,0 +1,147 @@
+"""Model shapes, random weights, filled caches and the methods the benchmarks run.
+
+Random bf16 weights and random K/V: a decode step's cost does not depend on what the numbers
+say, only on the shapes, the lengths and the selections' sizes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODELS = {
+    # DeepSeek-R1-Distill-Qwen-1.5B
+    "qwen-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28,
+                      num_heads=12, num_kv_heads=2, head_dim=128, intermediate_size=8960,
+                      rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True,
+                      max_position_embeddings=131072),
+    # Llama-3.1-8B (RoPE scaling does not change the cost)
+    "llama-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
+                     num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                     rope_theta=500000.0, tie_word_embeddings=False,
+                     max_position_embeddings=131072),
+    "tiny": dict(model_type="qwen2", vocab_size=512, hidden_size=128, num_layers=6,
+                 num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256,
+                 qkv_bias=True, max_position_embeddings=4096),
+}
+
+# (model, batch, context, methods) for benchmarks/profile_step.py
+PROFILE_CASES = [
+    ("qwen-1.5b", 64, 1024, ["dense"]),
+    ("llama-8b", 1, 4096, ["dense"]),
+    ("llama-8b", 1, 131072, ["dense", "delta", "kascade", "lychee"]),
+]
+SMOKE_PROFILE = [("tiny", 2, 256, ["dense", "kascade", "lychee"])]
+
+METHOD_NAMES = ("dense", "delta", "kascade", "lychee", "quest", "delta+resa")
+
+
+def config(name: str):
+    from sparsejax.models import ModelConfig
+
+    return ModelConfig(**MODELS[name])
+
+
+def random_model(name: str, dtype=jnp.bfloat16, seed: int = 0, stacked: bool = False):
+    """A model of these shapes with N(0, 0.02) weights drawn directly in `dtype`, in the
+    per-layer layout `from_pretrained` returns (or stacked, as training holds it)."""
+    import sparsejax
+    from sparsejax.models import param_shapes, unstack_layers
+
+    c = config(name)
+    shapes = param_shapes(c)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(jax.random.key(seed), len(flat))
+
+    @jax.jit
+    def make(keys):
+        out = []
+        for (path, shape), k in zip(flat, keys):
+            if path[-1].key.endswith("norm"):
+                out.append(jnp.ones(shape, dtype))
+            else:
+                out.append(0.02 * jax.random.normal(k, shape, dtype))
+        return out
+
+    params = jax.tree.unflatten(treedef, make(keys))
+    return sparsejax.Model(c, params if stacked else unstack_layers(params))
+
+
+def weight_bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(model.params))
+
+
+def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=jnp.bfloat16):
+    """A cache of `context + extra` tokens per row holding `context` random tokens (and random
+    RESA priors / Quest bounds when the plan keeps them)."""
+    from sparsejax import cache as kv
+
+    c = kv.allocate(config, batch, context + extra, page_size=plan.page_size, dtype=dtype)
+    kk, kv_, ks = jax.random.split(key, 3)
+    c = c.replace(k=jax.random.normal(kk, c.k.shape, dtype),
+                  v=jax.random.normal(kv_, c.v.shape, dtype),
+                  lengths=jnp.full((batch,), context, jnp.int32))
+    return c.replace(state=random_state(config, plan, c, context, ks))
+
+
+def random_state(config, plan, cache, context, key):
+    """Per-layer method state of the right shapes with plausible random values: RESA priors
+    and Quest's page key bounds."""
+    from sparsejax.resa import Prior
+
+    if plan.selector is None:
+        return None
+    L, B = config.num_layers, cache.lengths.shape[0]
+    HQ, HK, D = config.num_heads, config.num_kv_heads, config.head_dim
+    ks = jax.random.split(key, 6)
+    state = {}
+    if plan.selector.score == "quest_bound":
+        k = jax.random.normal(ks[4], (L, cache.num_pages, HK, D), jnp.float32)
+        state["kmin"], state["kmax"] = k - 1.0, k + 1.0
+    if plan.residual is not None:
+        state["prior"] = Prior(
+            mu_q=jax.random.normal(ks[0], (L, B, HQ, D)),
+            mu_k=jax.random.normal(ks[1], (L, B, HK, D)),
+            lse=10 + jax.random.normal(ks[2], (L, B, HQ)),
+            o_est=jax.random.normal(ks[3], (L, B, HQ, D)),
+            length=jnp.full((L, B), context, jnp.int32))
+    return state or None
+
+
+def method(name: str, config, context: int, ratio: float = 0.1):
+    """The benchmark's version of each method for a model of this depth.
+
+    delta: the paper's Δ-layers scaled to the depth, 64 pages of 16 (1024 tokens)
+    kascade: 5 anchors scaled to the depth, 10% of the context (at least 128)
+    lychee: layer 0 all retrieval and 1/8 of the other (layer, KV head) pairs retrieval heads,
+      TopK(4096) tokens, 128 sinks, 256 recent
+    quest: 1024-token budget, first 2 layers dense
+    """
+    from sparsejax import methods as M
+
+    L, HK = config.num_layers, config.num_kv_heads
+    base = name.removesuffix("+resa")
+    if base == "dense":
+        m = M.Dense()
+    elif base == "delta":
+        m = M.DELTA().scaled_to(L)
+    elif base == "kascade":
+        m = M.Kascade(ratio=ratio).scaled_to(L)
+    elif base == "lychee":
+        m = M.Lychee(lychee_heads(config), budget=M.TopK(4096))
+    elif base == "quest":
+        m = M.Quest(token_budget=1024)
+    else:
+        raise ValueError(f"method {name!r}: expected one of {METHOD_NAMES}")
+    return M.RESA(m) if name.endswith("+resa") else m
+
+
+def lychee_heads(config) -> np.ndarray:
+    """~1/8 of the (layer >= 1, KV head) pairs as retrieval heads, spread evenly."""
+    L, HK = config.num_layers, config.num_kv_heads
+    mask = np.zeros((L, HK), bool)
+    mask[0] = True
+    count = max(1, (L - 1) * HK // 8)
+    flat = np.linspace(0, (L - 1) * HK - 1, count).round().astype(int)
+    mask[1:].reshape(-1)[flat] = True
+    return mask
