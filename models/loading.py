@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .config import ModelConfig
-from .decoder import Model, Params, param_shapes
+from .decoder import Model, Params, fuse_layer, layer_params, param_shapes, split_layer
 
 # HF tensors that carry no parameters (older checkpoints store RoPE buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -108,12 +108,12 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> Pa
         w = w.astype(np_dtype)
         return w if fn is None else fn(w)
 
-    params: Params = {"layers": {}}
-    for key, shape in shapes["layers"].items():
-        hf_name, to_ours, to_hf = layout[key]
-        params["layers"][key] = jnp.asarray(np.stack(
-            [read(hf_name.format(i=i), to_ours, to_hf, shape[1:])
-             for i in range(config.num_layers)]))
+    # The per-layer layout (see models.decoder): each weight is its own device buffer.
+    params: Params = {"layers": tuple(
+        fuse_layer({key: jnp.asarray(read(layout[key][0].format(i=i), *layout[key][1:],
+                                          shape[1:]))
+                    for key, shape in shapes["layers"].items()})
+        for i in range(config.num_layers))}
     for key in ("embed", "final_norm", "lm_head"):
         if key in shapes:
             hf_name, to_ours, to_hf = _TOP[key]
@@ -148,11 +148,10 @@ def hf_state_dict(model: Model) -> dict[str, np.ndarray]:
     c, p = model.config, model.params
     layout = _hf_layout(c)
     out = {}
-    for key, stacked in p["layers"].items():
-        hf_name, _, to_hf = layout[key]
-        arr = np.asarray(stacked)
-        for i in range(c.num_layers):
-            w = arr[i]
+    for i in range(c.num_layers):
+        for key, w in split_layer(layer_params(p, i), c).items():
+            hf_name, _, to_hf = layout[key]
+            w = np.asarray(w)
             out[hf_name.format(i=i)] = np.ascontiguousarray(w if to_hf is None else to_hf(w))
     for key in ("embed", "final_norm", "lm_head"):
         if key in p:

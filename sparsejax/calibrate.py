@@ -31,7 +31,7 @@ import numpy as np
 
 from sparsejax.cache import allocate, layer_pages
 from sparsejax.generate import decode_step, prefill
-from sparsejax.models import Model
+from sparsejax.models import Model, layer_params, split_layer
 from sparsejax.pallas_kernels import paged_decode_attention
 from sparsejax.plan import dense_plan
 
@@ -337,10 +337,13 @@ def model_fingerprint(model: Model) -> dict:
     """
     c = model.config
     digest = hashlib.sha256()
+    p = model.params
     for name in _HASHED_PARAMS:
-        flat = (model.params[name] if name in model.params else model.params["layers"][name])
-        flat = flat.reshape(-1)
-        part = jnp.concatenate([flat[:_HASHED_VALUES], flat[-_HASHED_VALUES:]])
+        first, last = ((p[name], p[name]) if name in p else
+                       (split_layer(layer_params(p, 0), c)[name],
+                        split_layer(layer_params(p, c.num_layers - 1), c)[name]))
+        part = jnp.concatenate([first.reshape(-1)[:_HASHED_VALUES],
+                                last.reshape(-1)[-_HASHED_VALUES:]])
         digest.update(np.asarray(part.astype(jnp.bfloat16)).tobytes())
     return {"model_type": c.model_type, "layers": c.num_layers, "heads": c.num_heads,
             "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden": c.hidden_size,

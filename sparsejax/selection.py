@@ -85,11 +85,12 @@ def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Arr
 
 
 def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, lengths: jax.Array,
-           capacity: int) -> Selection:
-    """Top-k units per (row, group) under the selector's budget, sinks and recent window."""
+           capacity: int, groups: int | None = None) -> Selection:
+    """Top-k units per (row, group) under the selector's budget, sinks and recent window.
+    `groups` overrides the selector's group count (scores of a subset of the groups)."""
     s = plan.selector
     B = lengths.shape[0]
-    G = s.num_groups(config)
+    G = s.num_groups(config) if groups is None else groups
     valid_units = -(-lengths // s.unit)                                   # [B]
     n_units = max_units(capacity, s.unit)
     u = unit_scores(s, scores, plan.page_size, lengths)

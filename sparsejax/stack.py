@@ -1,10 +1,11 @@
 """The decode step's layer stack: roles drive attention, the selection is the carry.
 
-The plan's roles are static, so the stack is split into maximal runs of same-role layers and
-each run is one `jax.lax.scan` over its layer indices (parameters are indexed inside the body,
-exactly as a scan over stacked xs would). That avoids data-dependent branching (`lax.switch`
-would put a conditional, and on GPU a predicate read, in every layer of every step) and
-compiles one body per role present.
+Roles are static, so there is no data-dependent branching (`lax.switch` would put a
+conditional, and on GPU a predicate read, in every layer of every step). With per-layer params
+(the layout `from_pretrained` returns) the layers run as a Python loop: each layer's weights
+are separate buffers that its matmuls read in place, once per step. Stacked params run one
+`jax.lax.scan` per maximal run of same-role layers; there XLA copies each layer's weight
+slice before its matmul, so a step reads the weights twice.
 
 The KV cache is carried flattened to [layers * num_pages, HK, P, D]; layer l's pages are
 addressed with `page_table + l * num_pages`, so kernels read the stacked cache in place and
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 
 from sparsejax import resa, selection
 from sparsejax.cache import PagedKVCache, layer_pages, token_address, write_token
-from sparsejax.models import Model, attention_inputs, attention_projection, finish_layer
+from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
+                              is_stacked, layer_params)
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
@@ -68,22 +70,30 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
     sel = (selection.empty_selection(plan, c, B, cache.capacity) if plan.selector is not None
            else Selection.empty(B, 1, 1))
     carry = Carry(h, layer_pages(cache.k), layer_pages(cache.v), sel, cache.state)
-    diags = []
-    for role, start, stop in plan.segments():
-        body = functools.partial(_layer, model=model, plan=plan, role=role, ctx=ctx,
+    layer_fn = functools.partial(_layer, model=model, plan=plan, ctx=ctx,
                                  num_pages=cache.num_pages, diagnostics=diagnostics)
-        carry, diag = jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
-        diags.append(diag)
+    diags = []
+    if is_stacked(model.params):
+        for role, start, stop in plan.segments():
+            body = functools.partial(layer_fn, role=role)
+            carry, diag = jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
+            diags.append(diag)
+        join = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
+    else:
+        for layer, role in enumerate(plan.roles):
+            carry, diag = layer_fn(carry, layer, role=role)
+            diags.append(diag)
+        join = lambda *xs: jnp.stack(xs)  # noqa: E731
+    diag = jax.tree.map(join, *diags) if diagnostics else None
     cache = cache.replace(k=carry.k.reshape(cache.k.shape), v=carry.v.reshape(cache.v.shape),
                           state=carry.state)
-    diag = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *diags) if diagnostics else None
     return carry.h, cache, diag
 
 
 def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, role: Role,
            ctx: StepContext, num_pages: int, diagnostics: bool):
     c = model.config
-    lp = jax.tree.map(lambda x: x[layer], model.params["layers"])
+    lp = layer_params(model.params, layer)
     with jax.named_scope("qkv"):
         q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
     k_flat, v_flat = write_token(carry.k, carry.v, layer * num_pages + ctx.pages, ctx.slots, k, v)
@@ -135,9 +145,19 @@ def _attend(*, role, plan, config, q, k_pages, v_pages, table, lengths, layer, c
         dense_heads = ctx.retrieval[layer]
         r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
                                    score=selection.kernel_score(s), kv_heads=dense_heads)
-        fresh = selection.select(plan, config, r.scores, lengths, ctx.capacity)
-        sel = Selection(indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
-                        count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
+        if isinstance(layer, int):
+            # The retrieval heads are static here: select for their rows only (the top-k then
+            # reads 1/HK of the rows when one head in HK retrieves, as is typical).
+            heads = [h for h, is_retrieval in enumerate(plan.retrieval[layer]) if is_retrieval]
+            fresh = selection.select(plan, config, r.scores[:, heads], lengths, ctx.capacity,
+                                     groups=len(heads))
+            sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
+                            count=sel.count.at[:, heads].set(fresh.count))
+        else:
+            fresh = selection.select(plan, config, r.scores, lengths, ctx.capacity)
+            sel = Selection(
+                indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
+                count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
         dense_out = r.out
     out = _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map)
     if dense_out is not None:

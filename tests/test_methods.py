@@ -283,3 +283,22 @@ def test_page_selecting_methods_fix_the_page_size(model, prompts):
             sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=2, method=method,
                                page_size=32)
     assert M.DELTA(page_size=32, delta_layers=(2,)).to_plan(CFG, None).page_size == 32
+
+
+@pytest.mark.parametrize("name", ["delta+resa", "lychee"])
+def test_per_layer_and_stacked_params_decode_alike(model, prompts, name):
+    """The unrolled layer loop over per-layer params (what from_pretrained returns) and the
+    scan over stacked params (what training uses) are one decode step: same tokens and
+    diagnostics to rounding."""
+    from sparsejax.models import is_stacked, unstack_layers
+
+    method = {"delta+resa": M.RESA(M.DELTA(delta_layers=(2, 4), budget_pages=2, recent_pages=1)),
+              "lychee": M.Lychee(RETRIEVAL, budget=M.TopK(24), sinks=4, recent=4)}[name]
+    per_layer = model.replace(params=unstack_layers(model.params))
+    assert is_stacked(model.params) and not is_stacked(per_layer.params)
+    outs = [sparsejax.generate(m, prompts, lengths=LENGTHS, max_new_tokens=6, method=method,
+                               return_diagnostics=True) for m in (model, per_layer)]
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    for key in ("recall", "attn_error"):
+        np.testing.assert_allclose(np.asarray(outs[0].diagnostics[key]),
+                                   np.asarray(outs[1].diagnostics[key]), rtol=1e-4, atol=1e-5)

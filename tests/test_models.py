@@ -150,5 +150,9 @@ def test_model_is_a_pytree_with_static_config(checkpoints):
     model = sparsejax.from_pretrained(path, dtype=jnp.float32)
     leaves = jax.tree.leaves(model)
     assert all(isinstance(x, jax.Array) for x in leaves)
-    assert model.params["layers"]["wq"].shape[0] == model.config.num_layers
+    c = model.config
+    # the per-layer layout: one dict per layer, each weight its own buffer, q/k/v fused
+    assert len(model.params["layers"]) == c.num_layers
+    assert model.params["layers"][0]["wqkv"].shape == (c.hidden_size, c.num_heads
+                                                       + 2 * c.num_kv_heads, c.head_dim)
     hash(model.config)

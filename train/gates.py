@@ -93,7 +93,7 @@ import optax
 from sparsejax import selection
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
-                              unembed)
+                              layer_params, stack_layers, unembed)
 from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Budget, SparsePlan
@@ -197,8 +197,9 @@ def model_fingerprint(model: Model) -> str:
     p = model.params
     h = hashlib.sha256(json.dumps(model.config.to_hf_dict(), sort_keys=True).encode())
     step = max(1, p["embed"].shape[0] // 64)
-    for x in (p["embed"][::step], p["final_norm"], p["layers"]["attn_norm"],
-              p["layers"]["mlp_norm"]):
+    norms = [jnp.stack([layer_params(p, i)[name] for i in range(model.config.num_layers)])
+             for name in ("attn_norm", "mlp_norm")]
+    for x in (p["embed"][::step], p["final_norm"], *norms):
         h.update(np.asarray(x, np.float32).tobytes())
     return h.hexdigest()[:16]
 
@@ -358,6 +359,7 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
             raise ValueError(f"{name}={value!r}: expected > 0")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
+    model = model.replace(params=stack_layers(model.params, c))   # the student scans layers
     training = GateTraining(float(target_retrieval_heads), steps, float(lr), float(lambda_lr),
                             budget, int(sinks), int(recent), int(block), loss)
     teacher_fn, step_fn = _compiled(c, training)   # also validates budget/sinks/recent/block
