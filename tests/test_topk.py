@@ -196,10 +196,15 @@ def test_auto_backend_and_jit(interpret):
     (lambda s, v: topk.topk_select(s, 4, valid=v, force_first=2, force_last=3),
      "force_first \\+ force_last = 2 \\+ 3 > k=4"),
     (lambda s, v: topk.topk_select(s, 4, valid=v, backend="cuda"), "backend='cuda'"),
-    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="reference", block_m=4),
-     "unknown tuning knob\\(s\\) \\['block_m'\\]"),
     (lambda s, v: topk.topk_select(s, 4, valid=v, backend="pallas", block_n=48),
      "block_n=48: expected a power of 2"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="reference", block_k=3),
+     "block_k=3: expected a power of 2"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=1), "split=1: expected None or a bool"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=True, block_rows=2),
+     "block_rows=2 with split=True"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=True, block_n=4, block_sel=8),
+     "block_sel=8 > block_n=4 with split=True"),
     (lambda s, v: topk.ratio_budget(1.5, v), "ratio=1.5: expected a static number in \\[0, 1\\]"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=-1), "minimum=-1"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=8, maximum=4), "maximum=4"),
@@ -211,6 +216,11 @@ def test_auto_backend_and_jit(interpret):
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call(jnp.zeros((2, 8), jnp.float32), jnp.array([8, 8], jnp.int32))
+
+
+def test_unknown_tuning_knob():
+    with pytest.raises(TypeError, match="block_m"):
+        topk.topk_select(jnp.zeros((2, 8), jnp.float32), 4, valid=jnp.array([8, 8]), block_m=4)
 
 
 # --------------------------------------------------------------------------------------------
