@@ -262,6 +262,15 @@ def test_split_edge_cases(interpret):
             interpret=interpret)
 
 
+def test_split_full_tile_of_ties(interpret):
+    """A widest scan step (32768 columns) with every key in one high bin: the packed pair of
+    16-bit counts reaches 2**31 and must still read back exactly."""
+    scores = np.ones((1, 32768), np.float32)  # key 0x3F800000: top digit 0xB, a high bin
+    run_all(scores, 100, np.array([32768], np.int32), None, 0, 0,
+            [dict(split=True, block_n=32768, block_sel=32768, block_k=128)],
+            interpret=interpret)
+
+
 @pytest.mark.parametrize("num_rows, k", [(1, 13107), (8, 4096)])
 def test_split_at_131072_columns(interpret, num_rows, k):
     """Rows of 131072 through the default tuning (the split path), against the reference:
