@@ -64,7 +64,7 @@ RADIX_BITS = 4                 # key bits per pass of the split path: 8 passes o
 RADIX_BINS = 1 << RADIX_BITS
 # Path and chunk rule (`default_tuning`), for a 132-SM H100/H200:
 RESIDENT_WIDTH = 32768         # widest row the per-row path holds in registers (H200 sweep)
-MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: nine launches cost more than 32 steps
+MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nine
 SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
 
@@ -301,8 +301,8 @@ def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [s
         digit = lax.shift_right_logical(key - low[:, None], shift)  # (u - p) >> s, unsigned
         in_range = reached & (digit >= 0) & (digit < RADIX_BINS)
         digit = jnp.where(in_range, digit, 0)
-        pair = jnp.where(in_range, digit % half, half)                # half: in no pair
-        unit = lax.shift_left(1, (digit // half) * 16)
+        pair = jnp.where(in_range, digit & (half - 1), half)          # half: in no pair
+        unit = lax.shift_left(1, lax.shift_right_logical(digit, RADIX_BITS - 1) * 16)
         packed = jnp.sum(jnp.where(pair[:, :, None] == pairs[:, None, :], unit[:, :, None], 0),
                          axis=1)                                                    # [1, B/2]
         return (low_bins + (packed & 0xFFFF), high_bins + lax.shift_right_logical(packed, 16),
