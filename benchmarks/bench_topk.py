@@ -1,6 +1,8 @@
 """topk_select (Pallas: per-row radix select or rows split across programs) vs lax.top_k.
 
     python benchmarks/bench_topk.py          # GPU: exactness, timings, sweep -> results/topk.json
+    python benchmarks/bench_topk.py --matrix # GPU: every selection shape of the decode matrix,
+                                             # default tuning only -> results/topk_matrix.json
     python benchmarks/bench_topk.py --smoke  # CPU: tiny shapes in interpret mode, nothing written
 
 Every configuration is first checked for exact equality with `topk_select_reference` (indices
@@ -55,6 +57,7 @@ SMOKE_CASES = [
     ("4x1000 k=64", 4, 1000, 64, None, False, [dict(block_n=128, block_rows=2)]),
 ]
 MAX_RATIO_TO_PEER = 0.5
+MATRIX_BATCHES, MATRIX_GROUPS, MATRIX_TOKENS = (1, 4, 16, 64), (1, 2, 8, 32), (4096, 32768, 131072)
 SWEEP_BUDGET_S = 300  # later sweep configurations are skipped (and listed as such) after this
 
 
@@ -124,15 +127,35 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started):
     return row, tried
 
 
+def matrix_cases():
+    """The decode matrix's selections, once per (rows, N, k): rows = batch x groups over
+    tokens with k = 10% or 4096 (Kascade, Lychee), and over pages of 16 with k = 64 (DELTA,
+    Quest)."""
+    seen = set()
+    for batch in MATRIX_BATCHES:
+        for groups in MATRIX_GROUPS:
+            for tokens in MATRIX_TOKENS:
+                for n, k, what in ((tokens, tokens // 10, "10%"), (tokens, 4096, "TopK 4096"),
+                                   (tokens // 16, 64, "64 pages")):
+                    shape = (batch * groups, n, min(k, n))
+                    if shape not in seen:
+                        seen.add(shape)
+                        yield (f"{shape[0]}x{n} k={shape[2]} (B={batch}, G={groups}, {what})",
+                               *shape, None, False, [])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
+    mode.add_argument("--matrix", action="store_true", help="the decode matrix's shapes")
     args = parser.parse_args()
     if not args.smoke and jax.default_backend() != "gpu":
         sys.exit("bench_topk needs a GPU (or --smoke for a CPU logic check)")
     started = time.perf_counter()
     rows, tried = [], []
-    for spec in SMOKE_CASES if args.smoke else CASES:
+    cases = SMOKE_CASES if args.smoke else matrix_cases() if args.matrix else CASES
+    for spec in cases:
         row, case_tried = run_case(*spec, smoke=args.smoke, started=started)
         rows.append(row)
         tried += case_tried
@@ -143,11 +166,13 @@ def main():
                                     "meets_target"))
     for t in tried:
         print(t)
+    worst = max(rows, key=lambda r: r["ratio_to_peer"])
+    print(f"worst ratio to lax.top_k: {worst['ratio_to_peer']} ({worst['case']})")
     if args.smoke:
         print("smoke run: results not written")
         return
     path = harness.write_results(
-        "topk", rows, kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise "
+        "topk_matrix" if args.matrix else "topk", rows, kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise "
         "search) or rows split across programs (8 radix passes over chunks, one compaction)",
         timing="GPU time per call (profiler), lax.top_k likewise",
         sweep=tried, seconds=round(time.perf_counter() - started, 1))
