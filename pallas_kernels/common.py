@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 Backend = Literal["auto", "pallas", "reference"]
 BACKENDS = ("auto", "pallas", "reference")
+NUM_SMS = 132  # H100/H200: the kernels' default grids aim at a few waves of this many SMs
 
 
 _auto_override: list[str] = []

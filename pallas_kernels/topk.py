@@ -15,19 +15,25 @@ every valid column is kept. force_first + force_last > k is a ValueError (the fo
 alone could overflow the buffer). k may exceed N (a budget larger than the context); the extra
 slots stay -1.
 
-The Pallas kernel is a radix select, one program per row (or per `block_rows` rows):
-  1. keys: each float maps to an int32 that orders like the floats (sign-magnitude -> two's
-     complement, -0.0 -> +0.0, NaN -> INT32_MIN + 1); forced -> INT32_MAX; columns >= valid
-     are never read and count as INT32_MIN.
-  2. search: a bitwise binary search over the 32 key bits for the row's count-th largest key
-     T, one row-wide count (keys >= candidate) per bit. It stops early once a candidate leaves
-     exactly `count` keys above it, which on continuous scores saves the last ~10 bits.
-  3. keep: one pass keeps keys > T and the first ties at T in index order, and scatters the
-     kept column indices to ascending slots; a single cumsum carries both running counts.
-A row of up to `block_n` columns (default 32768) is loaded once and searched in registers:
-its cost is one HBM read plus <= 32 register-resident reductions. A longer row is re-read
-once per bit (from L2 when the rows in flight fit, else from HBM).
-NaN is not rejected (that would need a device-to-host check); it ranks lowest, as above.
+Both Pallas paths select on an int32 order key: each float maps to an int32 that orders like
+the floats (sign-magnitude -> two's complement, -0.0 -> +0.0, NaN -> INT32_MIN + 1); forced ->
+INT32_MAX; columns >= valid are never read and count as INT32_MIN. Both find the row's
+count-th largest key T, then keep keys > T and the first ties at T in index order, scattering
+the kept column indices to ascending slots. NaN is not rejected (that would need a
+device-to-host check); it ranks lowest, as above.
+
+Per-row path (many rows): one program per row (or per `block_rows` rows) runs a bitwise
+binary search for T, one row-wide count per bit, and stops early once a candidate leaves
+exactly `count` keys above it. A row of up to `block_n` columns stays in registers; a longer
+one is re-read once per bit.
+
+Split path (few long rows): programs (row, chunk of `block_n` columns). Eight radix passes of
+4 bits each: every program writes the 16-bin histogram of its chunk's keys inside the range
+found so far (and the number above it); the next pass folds the row's histograms into the
+next 4 bits of T. The last kernel folds the final histograms into T and the ties to keep,
+takes each chunk's output offset and share of the ties from the chunks before it (ties go to
+the lower index, so to the earlier chunks), and writes its kept indices and its share of the
+-1 padding. Nine launches, no atomics; `default_tuning` picks the path.
 
 Budget helpers give k_row per row for LycheeDecode's four budget modes and Kascade's ratio:
   TopK       fixed_budget(k, valid)
@@ -54,8 +60,15 @@ INT32_MAX = 2**31 - 1
 MISSING_KEY = INT32_MIN        # columns >= valid: never counted as candidates
 NAN_KEY = INT32_MIN + 1        # NaN: below -inf (whose key is -2139095041)
 FORCED_KEY = INT32_MAX         # forced columns: above +inf (whose key is 2139095040)
+RADIX_BITS = 4                 # key bits per pass of the split path: 8 passes of 16 bins
+RADIX_BINS = 1 << RADIX_BITS
+# Path and chunk rule (`default_tuning`), for a 132-SM H100/H200:
+RESIDENT_WIDTH = 32768         # widest row the per-row path holds in registers (H200 sweep)
+MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nine
+SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
+MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
 
-TUNING = ("block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages")
+TUNING = ("split", "block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages")
 
 
 class Selected(NamedTuple):
@@ -80,7 +93,64 @@ def _budget(valid, k_row, force_first: int, force_last: int):
 
 
 # --------------------------------------------------------------------------------------------
-# Pallas kernel
+# Pieces shared by the kernels. rows [BR] are the program's rows (BR = 1 on the split path).
+
+
+def _row_budget(valid_ref, k_row_ref, rows, *, n: int, k: int, force_first: int,
+                force_last: int):
+    """-> (row_ok, valid, budget), each [BR]."""
+    row_ok = rows < valid_ref.shape[0]
+    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
+    k_row = jnp.clip(plgpu.load(k_row_ref.at[rows], mask=row_ok, other=0), 0, k)
+    return row_ok, valid, _budget(valid, k_row, force_first, force_last)
+
+
+def _tile_keys(scores_ref, rows, row_ok, valid, start, width: int, force_first: int,
+               force_last: int):
+    """Order keys of columns [start, start + width) -> (cols [1, W], key [BR, W])."""
+    cols = start + lax.iota(jnp.int32, width)[None, :]
+    present = row_ok[:, None] & (cols < valid[:, None])
+    x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
+    forced = _forced_mask(cols, valid[:, None], force_first, force_last)
+    key = jnp.where(forced, FORCED_KEY, _order_key(x))
+    return cols, jnp.where(present, key, MISSING_KEY)
+
+
+def _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k: int):
+    """Keep key > thr, and ties at thr while their running count E <= ties_wanted; scatter the
+    kept columns to their slots. seen = (keys > thr, ties) in the row before this tile, [BR].
+
+    With G the running count of key > thr, a kept column lands at G + min(E, ties_wanted) - 1.
+    One scan carries both counts: G in the low 16 bits, E in the high 16 (W <= 2**15)."""
+    above_seen, ties_seen = seen
+    gt, tie = key > thr[:, None], key == thr[:, None]
+    packed = gt.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
+    both = jnp.cumsum(packed, axis=1)
+    above_run = above_seen[:, None] + (both & 0xFFFF)
+    ties_run = ties_seen[:, None] + lax.shift_right_logical(both, 16)
+    keep = gt | (tie & (ties_run <= ties_wanted[:, None]))
+    pos = jnp.where(keep, above_run + jnp.minimum(ties_run, ties_wanted[:, None]) - 1, k)
+    plgpu.store(indices_ref.at[store_rows, pos], jnp.broadcast_to(cols, keep.shape),
+                mask=keep & row_ok[:, None])
+    total = jnp.sum(packed, axis=1)
+    return above_seen + (total & 0xFFFF), ties_seen + lax.shift_right_logical(total, 16)
+
+
+def _pad_slots(indices_ref, store_rows, row_ok, budget, first, num_slots: int, *, k: int,
+               block_k: int):
+    """-1 into slots [first, first + num_slots) that are >= the row's budget and < k. Only
+    slots >= count are padded, so no slot is written twice."""
+    @pl.loop(0, common.cdiv(num_slots, block_k))
+    def _(i):
+        slots = first + i * block_k + lax.iota(jnp.int32, block_k)[None, :]         # [1, BK]
+        pad = (row_ok[:, None] & (slots >= budget[:, None])
+               & (slots < jnp.minimum(first + num_slots, k)))
+        plgpu.store(indices_ref.at[store_rows, jnp.where(pad, slots, k)],
+                    jnp.full(pad.shape, -1, jnp.int32), mask=pad)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row path: one program per `block_rows` rows
 
 
 def _topk_kernel(scores_ref,   # [R, N] float32
@@ -92,20 +162,14 @@ def _topk_kernel(scores_ref,   # [R, N] float32
                  block_sel: int, block_k: int):
     num_rows, n = scores_ref.shape
     rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
-    row_ok = rows < num_rows
-    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
-    k_row = jnp.clip(plgpu.load(k_row_ref.at[rows], mask=row_ok, other=0), 0, k)
-    budget = _budget(valid, k_row, force_first, force_last)                          # [BR]
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
     # Masked lanes point out of bounds so that interpret mode's scatter drops them.
     store_rows = jnp.where(row_ok, rows, num_rows)[:, None]                          # [BR, 1]
 
     def tile_keys(start, width):
-        cols = start + lax.iota(jnp.int32, width)[None, :]                           # [1, W]
-        present = row_ok[:, None] & (cols < valid[:, None])                          # [BR, W]
-        x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
-        forced = _forced_mask(cols, valid[:, None], force_first, force_last)
-        key = jnp.where(forced, FORCED_KEY, _order_key(x))
-        return cols, jnp.where(present, key, MISSING_KEY)
+        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
+                          force_last)
 
     resident_keys = tile_keys(0, block_n)[1] if block_n >= n else None              # [BR, BN]
 
@@ -142,37 +206,14 @@ def _topk_kernel(scores_ref,   # [R, N] float32
     init = (jnp.full((), INT32_MIN, jnp.int32), zeros, zeros, zeros, zeros)
     _, t, thr, above, done = lax.while_loop(search_cond, search_step, init)
     thr = jnp.where(done == 1, thr, t ^ INT32_MIN)  # keep key > thr, then the first ties at thr
-    ties_wanted = budget - above
-    num_sel_tiles = pl.cdiv(jnp.max(valid), block_sel)
 
-    # Kept: key > thr, and ties at thr while their running count E <= ties_wanted. With G the
-    # running count of key > thr, a kept column lands at G + min(E, ties_wanted) - 1. One
-    # scan carries both counts: G in the low 16 bits, E in the high 16 (block_sel <= 2**15).
-    def keep_tile(i, carry):
-        above_seen, ties_seen = carry
+    def keep_tile(i, seen):
         cols, key = tile_keys(i * block_sel, block_sel)
-        gt, tie = key > thr[:, None], key == thr[:, None]
-        packed = gt.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
-        both = jnp.cumsum(packed, axis=1)
-        above_run = above_seen[:, None] + (both & 0xFFFF)
-        ties_run = ties_seen[:, None] + lax.shift_right_logical(both, 16)
-        keep = gt | (tie & (ties_run <= ties_wanted[:, None]))
-        pos = jnp.where(keep, above_run + jnp.minimum(ties_run, ties_wanted[:, None]) - 1, k)
-        plgpu.store(indices_ref.at[store_rows, pos], jnp.broadcast_to(cols, keep.shape),
-                    mask=keep & row_ok[:, None])
-        total = jnp.sum(packed, axis=1)
-        return above_seen + (total & 0xFFFF), ties_seen + lax.shift_right_logical(total, 16)
+        return _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, budget - above,
+                          seen, k)
 
-    lax.fori_loop(0, num_sel_tiles, keep_tile, (zeros, zeros))
-
-    # Padding goes only to slots >= count, so no slot is written twice.
-    @pl.loop(0, pl.cdiv(k, block_k))
-    def _(i):
-        slots = i * block_k + lax.iota(jnp.int32, block_k)[None, :]                  # [1, BK]
-        pad = row_ok[:, None] & (slots >= budget[:, None]) & (slots < k)
-        plgpu.store(indices_ref.at[store_rows, jnp.where(pad, slots, k)],
-                    jnp.full(pad.shape, -1, jnp.int32), mask=pad)
-
+    lax.fori_loop(0, pl.cdiv(jnp.max(valid), block_sel), keep_tile, (zeros, zeros))
+    _pad_slots(indices_ref, store_rows, row_ok, budget, 0, k, k=k, block_k=block_k)
     plgpu.store(count_ref.at[store_rows[:, 0]], budget, mask=row_ok)
 
 
@@ -191,6 +232,167 @@ def _topk_pallas(scores, valid, k_row, *, k, force_first, force_last, block_rows
         interpret=interpret,
         name="topk_select",
     )(scores, valid, k_row)
+
+
+# --------------------------------------------------------------------------------------------
+# Split path: programs (row, chunk of block_n columns). A pass with prefix p and shift s
+# counts, per chunk, the keys whose unsigned key u lies in [p, p + 16 << s), by digit
+# (u - p) >> s, and the keys above that range. Summed over chunks these give
+# count(u >= p + j << s) for every digit j; the next pass appends the largest j whose count
+# still reaches the budget. After the pass at shift 0, p + j is T.
+
+
+def _load_pass(hist_ref, above_ref, rows, row_ok):
+    """The row's histograms of one pass -> (hist [1, CP, B], above [1, CP]), 0 past C."""
+    num_chunks = hist_ref.shape[1]
+    chunks = lax.iota(jnp.int32, common.next_power_of_2(num_chunks))[None, :]       # [1, CP]
+    ok = row_ok[:, None] & (chunks < num_chunks)
+    bins = lax.iota(jnp.int32, RADIX_BINS)[None, None, :]
+    hist = plgpu.load(hist_ref.at[rows[:, None, None], chunks[:, :, None], bins],
+                      mask=ok[:, :, None], other=0)
+    return hist, plgpu.load(above_ref.at[rows[:, None], chunks], mask=ok, other=0)
+
+
+def _next_digit(hist, above, budget):
+    """The largest digit j >= 1 whose count(u >= p + j << s) reaches the budget, else 0 -> [1]."""
+    totals = jnp.sum(hist, axis=1)                                                   # [1, B]
+    at_least = (jnp.sum(above, axis=1, keepdims=True) + jnp.sum(totals, axis=1, keepdims=True)
+                - jnp.cumsum(totals, axis=1) + totals)           # non-increasing in the digit
+    bins = lax.iota(jnp.int32, RADIX_BINS)[None, :]
+    return jnp.sum(((at_least >= budget[:, None]) & (bins >= 1)).astype(jnp.int32), axis=1)
+
+
+def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [shift, shift + 4)
+                       scores_ref,      # [R, N] float32
+                       valid_ref,       # [R] int32
+                       k_row_ref,       # [R] int32
+                       prefix_ref,      # [R] int32: unsigned bits of T above the last pass
+                       hist_ref,        # [R, C, B] int32: the last pass's histograms
+                       above_ref,       # [R, C] int32: the last pass's counts above its range
+                       prefix_out_ref,  # [R] int32 (out): ... above this pass's digit
+                       hist_out_ref,    # [R, C, B] int32 (out)
+                       above_out_ref,   # [R, C] int32 (out)
+                       *, k: int, force_first: int, force_last: int, block_n: int,
+                       block_sel: int):
+    n = scores_ref.shape[1]
+    rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
+    shift = shift_ref[0]
+    prefix = plgpu.load(prefix_ref.at[rows], mask=row_ok, other=0)
+    digit = _next_digit(*_load_pass(hist_ref, above_ref, rows, row_ok), budget)
+    # The first pass has no last pass (its inputs are zeros): it starts from prefix 0.
+    last_shift = jnp.minimum(shift + RADIX_BITS, 32 - RADIX_BITS)
+    prefix = jnp.where(shift + RADIX_BITS < 32, prefix | lax.shift_left(digit, last_shift),
+                       prefix)
+    low = prefix ^ INT32_MIN  # the range's lower end as a signed key
+    start = chunk * block_n
+    half = RADIX_BINS // 2
+    pairs = lax.iota(jnp.int32, half)[None, :]                                      # [1, B/2]
+
+    # Two bins per int32: digit d adds 1 << 16 * (d // 8) at pair d % 8, so eight compares
+    # count sixteen bins (a tile's counts fit 16 bits: block_sel <= 2**15; the sum of both
+    # fields stays below 2**32, read back with logical shifts).
+    def count_tile(i, counts):
+        low_bins, high_bins, above = counts
+        _, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel, block_sel,
+                            force_first, force_last)
+        reached = (key != MISSING_KEY) & (key >= low[:, None])                     # u >= p
+        digit = lax.shift_right_logical(key - low[:, None], shift)  # (u - p) >> s, unsigned
+        in_range = reached & (digit >= 0) & (digit < RADIX_BINS)
+        digit = jnp.where(in_range, digit, 0)
+        pair = jnp.where(in_range, digit & (half - 1), half)          # half: in no pair
+        unit = lax.shift_left(1, lax.shift_right_logical(digit, RADIX_BITS - 1) * 16)
+        packed = jnp.sum(jnp.where(pair[:, :, None] == pairs[:, None, :], unit[:, :, None], 0),
+                         axis=1)                                                    # [1, B/2]
+        return (low_bins + (packed & 0xFFFF), high_bins + lax.shift_right_logical(packed, 16),
+                above + jnp.sum((reached & ~in_range).astype(jnp.int32), axis=1))
+
+    num_tiles = pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel)
+    zeros = jnp.zeros((1, half), jnp.int32)
+    low_bins, high_bins, above = lax.fori_loop(0, num_tiles, count_tile,
+                                               (zeros, zeros, jnp.zeros((1,), jnp.int32)))
+    for first_bin, bins in ((0, low_bins), (half, high_bins)):
+        plgpu.store(hist_out_ref.at[rows[:, None], chunk, first_bin + pairs], bins,
+                    mask=row_ok[:, None])
+    plgpu.store(above_out_ref.at[rows, chunk], above, mask=row_ok)
+    plgpu.store(prefix_out_ref.at[rows], prefix, mask=row_ok & (chunk == 0))
+
+
+def _compact_kernel(scores_ref,   # [R, N] float32
+                    valid_ref,    # [R] int32
+                    k_row_ref,    # [R] int32
+                    prefix_ref,   # [R] int32: unsigned bits 4.. of T
+                    hist_ref,     # [R, C, B] int32: the shift-0 pass's histograms
+                    above_ref,    # [R, C] int32
+                    indices_ref,  # [R, k] int32 (out)
+                    count_ref,    # [R] int32 (out)
+                    *, k: int, force_first: int, force_last: int, block_n: int, block_sel: int,
+                    block_k: int):
+    n = scores_ref.shape[1]
+    num_chunks = hist_ref.shape[1]
+    rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
+    prefix = plgpu.load(prefix_ref.at[rows], mask=row_ok, other=0)
+    hist, above = _load_pass(hist_ref, above_ref, rows, row_ok)
+    digit = _next_digit(hist, above, budget)[:, None, None]                         # [1, 1, 1]
+    thr = (prefix | digit[:, 0, 0]) ^ INT32_MIN                                   # T, signed
+    bins = lax.iota(jnp.int32, RADIX_BINS)[None, None, :]
+    above_chunk = above + jnp.sum(jnp.where(bins > digit, hist, 0), axis=2)  # [1, CP]: > T
+    ties_chunk = jnp.sum(jnp.where(bins == digit, hist, 0), axis=2)          # [1, CP]: == T
+    ties_wanted = budget - jnp.sum(above_chunk, axis=1)
+    # Ties go to the lower index: the chunks before this one take theirs first.
+    before = lax.iota(jnp.int32, above_chunk.shape[1])[None, :] < chunk
+    seen = (jnp.sum(jnp.where(before, above_chunk, 0), axis=1),
+            jnp.sum(jnp.where(before, ties_chunk, 0), axis=1))
+    start = chunk * block_n
+
+    def keep_tile(i, seen):
+        cols, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel,
+                               block_sel, force_first, force_last)
+        return _keep_tile(indices_ref, rows[:, None], row_ok, cols, key, thr, ties_wanted,
+                          seen, k)
+
+    lax.fori_loop(0, pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel),
+                  keep_tile, seen)
+    share = common.cdiv(k, num_chunks)  # padding slots per program
+    _pad_slots(indices_ref, rows[:, None], row_ok, budget, chunk * share, share, k=k,
+               block_k=block_k)
+    plgpu.store(count_ref.at[rows], budget, mask=row_ok & (chunk == 0))
+
+
+def _topk_split_pallas(scores, valid, k_row, *, k, force_first, force_last, block_n, block_sel,
+                       block_k, num_warps, num_stages, interpret):
+    num_rows, n = scores.shape
+    grid = (num_rows, common.cdiv(n, block_n))
+    common_kw = dict(grid=grid, compiler_params=common.triton_params(num_warps, num_stages),
+                     interpret=interpret)
+    static = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
+                  block_sel=block_sel)
+    state = (jnp.zeros((num_rows,), jnp.int32),                    # prefix
+             jnp.zeros((*grid, RADIX_BINS), jnp.int32),            # hist
+             jnp.zeros(grid, jnp.int32))                           # above
+    radix_pass = common.pallas_call(
+        functools.partial(_radix_pass_kernel, **static),
+        out_shape=tuple(jax.ShapeDtypeStruct(x.shape, jnp.int32) for x in state),
+        name="topk_select_radix_pass", **common_kw)
+    shifts = jnp.arange(32 - RADIX_BITS, -1, -RADIX_BITS, dtype=jnp.int32)[:, None]  # [8, 1]
+
+    def run_pass(i, state):
+        return radix_pass(shifts[i], scores, valid, k_row, *state)
+
+    if interpret:  # one copy of the interpreted kernel to compile for the CPU, not eight
+        state = lax.fori_loop(0, shifts.shape[0], run_pass, state)
+    else:  # unrolled: no loop predicate read back between the launches
+        for i in range(shifts.shape[0]):
+            state = run_pass(i, state)
+    return common.pallas_call(
+        functools.partial(_compact_kernel, **static, block_k=block_k),
+        out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
+        name="topk_select_compact", **common_kw,
+    )(scores, valid, k_row, *state)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,42 +421,87 @@ def _check_inputs(scores, k, valid, k_row, force_first, force_last):
                              f"(one per row of scores {scores.shape})")
 
 
-def _default_tuning(n: int, k: int, tuning: dict) -> dict:
-    unknown = sorted(set(tuning) - set(TUNING))
-    if unknown:
-        raise ValueError(f"unknown tuning knob(s) {unknown}: expected some of {TUNING}")
+def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
+                   block_rows: int | None = None, block_n: int | None = None) -> dict:
+    """Static knobs for [num_rows, n] scores and width k; `split`, `block_rows` and `block_n`
+    when given are kept (for sweeps) and the knobs that depend on them follow.
+
+    split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
+      bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs; never
+      when block_rows > 1 is asked for.
+    Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
+      block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
+      benchmarks/results/topk.json), num_stages=1.
+    Split path: block_n = columns per program, a power of 2 in [1024, 16384] giving about
+      SPLIT_PROGRAMS programs and at most MAX_CHUNKS chunks per row; block_sel = 512 (a
+      [512, 8] one-hot of bin pairs per histogram step), block_k = the padding slots per program up to
+      1024, num_warps=4, num_stages=1.
+    """
+    if split is None:
+        split = (block_rows in (None, 1)
+                 and (n > RESIDENT_WIDTH or (num_rows < 2 * common.NUM_SMS
+                                             and n >= MIN_SPLIT_WIDTH)))
     n_pow2 = common.next_power_of_2(n)
-    out = dict(block_rows=1, block_n=min(n_pow2, 32768), block_sel=min(n_pow2, 4096),
-               block_k=min(common.next_power_of_2(k), 1024), num_stages=1)
-    out.update(tuning)
-    # H200 sweep (benchmarks/results/topk.json): 4 warps per 8k columns, 16 at 32k
-    out.setdefault("num_warps", max(4, min(16, out["block_rows"] * out["block_n"] // 2048)))
-    for name in ("block_rows", "block_n", "block_sel", "block_k"):
-        value = out[name]
+    if split:
+        per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS)
+        block_n = block_n or min(n_pow2, max(1024, common.next_power_of_2(
+            common.cdiv(n, MAX_CHUNKS)), min(16384, common.next_power_of_2(per_program))))
+        slots = common.cdiv(k, common.cdiv(n, block_n))
+        return dict(split=True, block_rows=block_rows or 1, block_n=block_n,
+                    block_sel=min(block_n, 512),
+                    block_k=min(common.next_power_of_2(slots), 1024), num_warps=4,
+                    num_stages=1)
+    block_rows = block_rows or 1
+    block_n = block_n or min(n_pow2, RESIDENT_WIDTH)
+    return dict(split=False, block_rows=block_rows, block_n=block_n,
+                block_sel=min(n_pow2, 4096), block_k=min(common.next_power_of_2(k), 1024),
+                num_warps=max(4, min(16, block_rows * block_n // 2048)), num_stages=1)
+
+
+def _check_tuning(split, block_rows, block_n, block_sel, block_k, num_warps, num_stages):
+    if not isinstance(split, bool):
+        raise ValueError(f"split={split!r}: expected None or a bool")
+    for name, value in (("block_rows", block_rows), ("block_n", block_n),
+                        ("block_sel", block_sel), ("block_k", block_k)):
         if not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}={value!r}: expected a power of 2 (Triton block sizes)")
-    if out["block_sel"] > 1 << 15:
-        raise ValueError(f"block_sel={out['block_sel']}: expected <= 32768 (16-bit scan fields)")
-    for name in ("num_warps", "num_stages"):
-        if not isinstance(out[name], int) or out[name] < 1:
-            raise ValueError(f"{name}={out[name]!r}: expected an int >= 1")
-    return out
+    if block_sel > 1 << 15:
+        raise ValueError(f"{block_sel=}: expected <= 32768 (16-bit scan fields)")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected an int >= 1")
+    if split and block_rows != 1:
+        raise ValueError(f"{block_rows=} with split=True: the split path takes one row per "
+                         "program (block_rows=1)")
+    if split and block_sel > block_n:
+        raise ValueError(f"{block_sel=} > {block_n=} with split=True: a program's scan steps "
+                         "must tile its chunk")
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "k", "force_first", "force_last", "backend", "interpret", *TUNING))
-def _topk_select_jit(scores, valid, k_row, *, k, force_first, force_last, backend, interpret,
-                     **tuning):
-    if backend == "reference":
-        return topk_select_reference(scores, k, valid=valid, k_row=k_row,
-                                     force_first=force_first, force_last=force_last)
-    indices, count = _topk_pallas(scores, valid, k_row, k=k, force_first=force_first,
-                                  force_last=force_last, interpret=interpret, **tuning)
-    return Selected(indices, count)
+@functools.partial(jax.jit, static_argnames=("k", "force_first", "force_last"))
+def _topk_reference_jit(scores, valid, k_row, *, k, force_first, force_last):
+    return topk_select_reference(scores, k, valid=valid, k_row=k_row, force_first=force_first,
+                                 force_last=force_last)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "force_first", "force_last", "interpret",
+                                             *TUNING))
+def _topk_pallas_jit(scores, valid, k_row, *, k, force_first, force_last, interpret, split,
+                     block_rows, block_n, block_sel, block_k, num_warps, num_stages):
+    kw = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
+              block_sel=block_sel, block_k=block_k, num_warps=num_warps,
+              num_stages=num_stages, interpret=interpret)
+    if split:
+        return Selected(*_topk_split_pallas(scores, valid, k_row, **kw))
+    return Selected(*_topk_pallas(scores, valid, k_row, block_rows=block_rows, **kw))
 
 
 def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, force_last: int = 0,
-                backend: str = "auto", interpret: bool | None = None, **tuning) -> Selected:
+                backend: str = "auto", interpret: bool | None = None,
+                split: bool | None = None, block_rows: int | None = None,
+                block_n: int | None = None, block_sel: int | None = None,
+                block_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None) -> Selected:
     """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
 
     scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
@@ -263,21 +510,28 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
     k_row   [R] int: the row's budget (clipped to [0, k]); None means k
     force_first, force_last: static ints; columns [0, force_first) and
             [valid - force_last, valid) are always kept and count toward the budget
-    tuning  Pallas knobs: block_rows, block_n (rows up to this width stay in registers),
-            block_sel, block_k, num_warps, num_stages
+    split, block_rows, block_n, block_sel, block_k, num_warps, num_stages: static Pallas
+            knobs (the path: split rows across programs or not; rows per program; the
+            resident row width or the columns per program; the scan step; the padding step;
+            Triton's); None takes `default_tuning`'s. Validated on every backend.
     Returns Selected(indices [R, k] int32, count [R] int32) with
     count = min(valid, max(k_row, min(valid, force_first + force_last))).
     """
     _check_inputs(scores, k, valid, k_row, force_first, force_last)
     backend = common.resolve_backend(backend)
     num_rows, n = scores.shape
-    tuning = _default_tuning(n, k, tuning)  # validated on every backend, used by Pallas only
+    tuning = default_tuning(num_rows, n, k, split=split, block_rows=block_rows, block_n=block_n)
+    given = dict(split=split, block_rows=block_rows, block_n=block_n, block_sel=block_sel,
+                 block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    tuning.update({name: value for name, value in given.items() if value is not None})
+    _check_tuning(**tuning)
     valid = jnp.asarray(valid, jnp.int32)
     k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)
-    return _topk_select_jit(scores, valid, k_row, k=k, force_first=force_first,
-                            force_last=force_last, backend=backend,
-                            interpret=common.resolve_interpret(interpret),
-                            **(tuning if backend == "pallas" else {}))
+    options = dict(k=k, force_first=force_first, force_last=force_last)
+    if backend == "reference":
+        return _topk_reference_jit(scores, valid, k_row, **options)
+    return _topk_pallas_jit(scores, valid, k_row, **options,
+                            interpret=common.resolve_interpret(interpret), **tuning)
 
 
 # --------------------------------------------------------------------------------------------

@@ -196,10 +196,15 @@ def test_auto_backend_and_jit(interpret):
     (lambda s, v: topk.topk_select(s, 4, valid=v, force_first=2, force_last=3),
      "force_first \\+ force_last = 2 \\+ 3 > k=4"),
     (lambda s, v: topk.topk_select(s, 4, valid=v, backend="cuda"), "backend='cuda'"),
-    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="reference", block_m=4),
-     "unknown tuning knob\\(s\\) \\['block_m'\\]"),
     (lambda s, v: topk.topk_select(s, 4, valid=v, backend="pallas", block_n=48),
      "block_n=48: expected a power of 2"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, backend="reference", block_k=3),
+     "block_k=3: expected a power of 2"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=1), "split=1: expected None or a bool"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=True, block_rows=2),
+     "block_rows=2 with split=True"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=True, block_n=4, block_sel=8),
+     "block_sel=8 > block_n=4 with split=True"),
     (lambda s, v: topk.ratio_budget(1.5, v), "ratio=1.5: expected a static number in \\[0, 1\\]"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=-1), "minimum=-1"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=8, maximum=4), "maximum=4"),
@@ -211,6 +216,136 @@ def test_auto_backend_and_jit(interpret):
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call(jnp.zeros((2, 8), jnp.float32), jnp.array([8, 8], jnp.int32))
+
+
+def test_unknown_tuning_knob():
+    with pytest.raises(TypeError, match="block_m"):
+        topk.topk_select(jnp.zeros((2, 8), jnp.float32), 4, valid=jnp.array([8, 8]), block_m=4)
+
+
+# --------------------------------------------------------------------------------------------
+# Split path: long rows across (row, chunk) programs
+
+# Chunks of 16 columns scanned 8 at a time, so that a 40-wide row spans two whole chunks and
+# a ragged one, and ties and -1 padding cross chunk boundaries.
+SPLIT = dict(split=True, block_n=16, block_sel=8, block_k=4)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**16), kind=st.sampled_from(sorted(VALUE_SETS)),
+       valid=st.lists(st.integers(0, 40), min_size=3, max_size=3),
+       k_row=st.one_of(st.none(), st.lists(st.integers(0, 16), min_size=3, max_size=3)))
+def test_split_random_problems(interpret, seed, kind, valid, k_row):
+    """Three rows; one static shape, so that one compile serves every example."""
+    run_all(make_scores(seed, 3, 40, kind), 16, np.array(valid, np.int32), k_row, 2, 3, [SPLIT],
+            interpret=interpret)
+
+
+def split_edge_rows():
+    """Eight rows of 24 columns, k=32 > N, one edge case per row: (scores, valid, k_row)."""
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal((8, 24)).astype(np.float32)
+    scores[0] = 0.25                                # a whole row of ties
+    scores[1] = np.where(np.arange(24) % 3 == 0, 1.0, 0.25)  # 8 tied winners over 3 chunks
+    scores[2] = np.where(np.arange(24) % 2 == 0, 1.0, 0.25)  # 12 tied winners, fewer fit
+    scores[3, 6:] = -np.inf                         # fewer finite scores than the budget
+    scores[4] = -np.inf                             # nothing finite, valid 5
+    scores[5] = rng.choice(VALUE_SETS["specials"], 24)     # NaN, +-inf, 0
+    valid = np.array([24, 24, 24, 24, 5, 24, 24, 0], np.int32)
+    k_row = np.array([8, 8, 8, 12, 8, 5, 32, 8], np.int32)  # row 6: budget > N
+    return scores, valid, k_row
+
+
+def test_split_edge_cases(interpret):
+    scores, valid, k_row = split_edge_rows()
+    run_all(scores, 32, valid, k_row, 1, 2, [dict(SPLIT, block_n=8, block_sel=4)],
+            interpret=interpret)
+
+
+def test_split_full_tile_of_ties(interpret):
+    """A widest scan step (32768 columns) with every key in one high bin: the packed pair of
+    16-bit counts reaches 2**31 and must still read back exactly."""
+    scores = np.ones((1, 32768), np.float32)  # key 0x3F800000: top digit 0xB, a high bin
+    run_all(scores, 100, np.array([32768], np.int32), None, 0, 0,
+            [dict(split=True, block_n=32768, block_sel=32768, block_k=128)],
+            interpret=interpret)
+
+
+@pytest.mark.parametrize("num_rows, k", [(1, 13107), (8, 4096)])
+def test_split_at_131072_columns(interpret, num_rows, k):
+    """Rows of 131072 through the default tuning (the split path), against the reference:
+    rounded scores (ties across chunks), -inf and NaN tails, valid < N, per-row k_row."""
+    n = 131072
+    rng = np.random.default_rng(num_rows)
+    scores = np.round(rng.standard_normal((num_rows, n)), 1).astype(np.float32)
+    valid = np.full(num_rows, n, np.int32)
+    k_row = np.full(num_rows, k, np.int32)
+    if num_rows > 1:
+        scores[1, 100:] = -np.inf                                 # padding fills by index
+        scores[2, ::7] = np.nan
+        scores[3] = rng.choice(np.float32([0.0, 0.5, 1.0]), n)   # few distinct values
+        valid[4:] = [n - 1, 70001, 3000, 0]
+        k_row[5:] = [k // 3, k, 17]
+    assert topk.default_tuning(num_rows, n, k)["split"]
+    kw = dict(valid=valid, k_row=k_row, force_first=4, force_last=64)
+    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret, **kw)
+    ref = topk.topk_select_reference(jnp.asarray(scores), k, **kw)
+    assert_selected(out, (np.asarray(ref.indices), np.asarray(ref.count)))
+    assert np.all(np.asarray(out.count)[:4] == k)  # full rows: the budget binds
+
+
+def test_split_negative_control(interpret):
+    """The split comparison catches a wrong tie rule: ties to the higher index differ from the
+    kernel's output on the rows whose ties at T cross chunks and do not all fit."""
+    scores, valid, k_row = split_edge_rows()
+    kw = dict(valid=np.full(8, 24, np.int32), k_row=k_row)
+    out = topk.topk_select(jnp.asarray(scores), 32, backend="pallas", interpret=interpret,
+                           **SPLIT, **kw)
+    ref = topk.topk_select_reference(jnp.asarray(scores), 32, **kw)
+    # Ties to the higher index: the reference on the reversed row, mapped back.
+    flipped = topk.topk_select_reference(jnp.asarray(scores[:, ::-1].copy()), 32, **kw)
+    count = np.asarray(flipped.count)[:, None]
+    slot = np.arange(32)[None, :]
+    higher = np.sort(np.where(slot < count, 23 - np.asarray(flipped.indices), 99), axis=1)
+    higher = np.where(slot < count, higher, -1)
+    np.testing.assert_array_equal(np.asarray(out.indices), np.asarray(ref.indices))
+    for r in (0, 2):  # the rows with more ties at T than the budget takes
+        assert not np.array_equal(np.asarray(out.indices)[r], higher[r])
+
+
+@pytest.mark.parametrize("seen_shift", [(1, 0), (0, 1)], ids=["offset+1", "ties_before+1"])
+def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
+    """Negative control: an off-by-one chunk offset, or a tie share off by one, in the
+    compaction must make the comparison with the reference fail."""
+    keep_tile = topk._keep_tile
+
+    def mutant(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k):
+        seen = (seen[0] + seen_shift[0], seen[1] + seen_shift[1])
+        return keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k)
+
+    monkeypatch.setattr(topk, "_keep_tile", mutant)
+    scores, valid, k_row = split_edge_rows()
+    out = jax.jit(lambda s: topk._topk_split_pallas(   # a fresh trace sees the mutant
+        s, jnp.asarray(valid), jnp.asarray(k_row), k=32, force_first=1, force_last=2,
+        block_n=8, block_sel=4, block_k=2, num_warps=4, num_stages=1,
+        interpret=interpret))(jnp.asarray(scores))
+    ref = topk.topk_select_reference(jnp.asarray(scores), 32, valid=valid, k_row=k_row,
+                                     force_first=1, force_last=2)
+    assert not np.array_equal(np.asarray(out[0]), np.asarray(ref.indices))
+
+
+def test_default_tuning_paths():
+    """The rule: split rows wider than the resident width, or few rows of >= 4096 columns."""
+    assert topk.default_tuning(8, 131072, 13107) == dict(
+        split=True, block_rows=1, block_n=2048, block_sel=512, block_k=256, num_warps=4,
+        num_stages=1)
+    assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
+    assert topk.default_tuning(512, 131072, 13107)["split"]
+    assert topk.default_tuning(64, 8192, 64)["split"]
+    assert not topk.default_tuning(512, 32768, 3276)["split"]
+    assert not topk.default_tuning(2, 2048, 64)["split"]
+    assert not topk.default_tuning(8, 131072, 13107, block_rows=2)["split"]
+    assert topk.default_tuning(1, 1 << 23, 4096)["block_n"] == 32768  # at most 256 chunks
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,13 +441,16 @@ def triton_modules(monkeypatch):
     return modules
 
 
-@pytest.mark.parametrize("num_rows, n, k, tuning", [
-    (512, 32768, 3276, {}),                                  # resident row, 16 warps
-    (512, 131072, 13107, {}),                                # streamed row
-    (64, 8192, 64, dict(block_rows=2)),
-    (7, 1000, 50, dict(block_n=256, num_warps=4)),            # ragged N, streamed
+@pytest.mark.parametrize("num_rows, n, k, tuning, num_kernels", [
+    (512, 32768, 3276, {}, 1),                               # resident row, 16 warps
+    (512, 131072, 13107, dict(split=False), 1),              # streamed row
+    (64, 8192, 64, dict(block_rows=2), 1),
+    (7, 1000, 50, dict(block_n=256, num_warps=4), 1),         # ragged N, streamed
+    (8, 131072, 13107, {}, 2),                               # split: radix pass, compaction
+    (1, 131072, 4096, {}, 2),
+    (3, 1000, 50, dict(split=True, block_n=256, block_sel=128), 2),  # split, ragged N
 ])
-def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning):
+def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
     modules = triton_modules(monkeypatch)
     fn = lambda s, v, kr: topk.topk_select(s, k, valid=v, k_row=kr, force_first=4,
                                            force_last=min(64, k - 4), backend="pallas",
@@ -320,19 +458,21 @@ def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning):
     text = lower_for_cuda(fn, jnp.zeros((num_rows, n), jnp.float32),
                           jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), jnp.int32))
     assert "triton" in text
-    assert len(modules) == 1 and modules[0].operation.verify()
+    assert len(modules) == num_kernels and all(m.operation.verify() for m in modules)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("num_rows, n, k", [(512, 32768, 3276), (512, 131072, 13107),
-                                            (512, 2048, 64), (64, 8192, 64)])
-def test_native_matches_reference(num_rows, n, k):
+                                            (512, 2048, 64), (64, 8192, 64),
+                                            (8, 131072, 13107), (1, 131072, 4096)])
+def test_native_matches_reference(num_rows, n, k, split):
     rng = np.random.default_rng(0)
     scores = jnp.asarray(rng.standard_normal((num_rows, n)).astype(np.float32))
     valid = jnp.asarray(rng.integers(n // 2, n + 1, num_rows).astype(np.int32))
     k_row = jnp.asarray(rng.integers(k // 2, k + 1, num_rows).astype(np.int32))
     for kw in (dict(), dict(force_first=4, force_last=min(64, k - 4), k_row=k_row)):
-        out = topk.topk_select(scores, k, valid=valid, backend="pallas", **kw)
+        out = topk.topk_select(scores, k, valid=valid, backend="pallas", split=split, **kw)
         ref = topk.topk_select_reference(scores, k, valid=valid, **kw)
         np.testing.assert_array_equal(np.asarray(out.indices), np.asarray(ref.indices))
         np.testing.assert_array_equal(np.asarray(out.count), np.asarray(ref.count))
