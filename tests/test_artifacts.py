@@ -27,7 +27,8 @@ def test_fingerprint_of_config_and_model():
     m = model()
     full, shapes = A.fingerprint(m), A.fingerprint(CFG)
     assert shapes == dataclasses.replace(full, params_hash=None)
-    assert len(full.params_hash) == 16 and full.params_hash != A.fingerprint(model(seed=1)).params_hash
+    assert len(full.params_hash) == 16
+    assert full.params_hash != A.fingerprint(model(seed=1)).params_hash
     assert A.Fingerprint.from_json(json.loads(json.dumps(full.to_json()))) == full
     assert A.Fingerprint.from_json("349e3c25959b7d85") is None     # a gates/1 string: unchecked
     # a config knows no hash: it is compared on the shapes only
@@ -44,7 +45,7 @@ def test_calibrated_method_is_checked_when_planned(tmp_path, kind):
     cls = M.Kascade if kind == "kascade" else M.DELTA
     method = cls.from_calibration(path)                     # no model given: not checked yet
     assert method.origin.fingerprint == A.fingerprint(model())
-    assert method == cls.from_calibration(path, model=model())   # the origin is no part of its value
+    assert method == cls.from_calibration(path, model=model())   # the origin is not its value
     method.to_plan(CFG)                                     # negative control: the right model
     with pytest.raises(ValueError) as e:
         method.to_plan(WIDER)

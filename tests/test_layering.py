@@ -11,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # the jobs: calibration, gate training, pretraining, eval, demo, the command line
-JOBS = ("sparsejax.__main__", "sparsejax.cli", "sparsejax.eval", "sparsejax.demo", "sparsejax.train.calibrate",
-        "sparsejax.train.gates", "sparsejax.train.pretrain", "sparsejax.train.passkey")
+JOBS = ("sparsejax.__main__", "sparsejax.cli", "sparsejax.eval", "sparsejax.demo",
+        "sparsejax.train.calibrate", "sparsejax.train.gates", "sparsejax.train.pretrain",
+        "sparsejax.train.passkey")
 HEAVY = ("optax", "orbax", "matplotlib")
 # folder -> import name of the runtime's files
 RUNTIME = {"sparsejax": "sparsejax", "models": "sparsejax.models",

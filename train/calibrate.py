@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
-from sparsejax.cache import allocate, layer_pages
+from sparsejax.cache import allocate, layer_page_ids, layer_pages
 from sparsejax.generate import decode_step, prefill
 from sparsejax.models import Model
 from sparsejax.pallas_kernels import paged_decode_attention
@@ -100,12 +100,11 @@ def _layer_scores(cache, query, score: str) -> jax.Array:
     """`paged_decode_attention`'s `score` for every layer's query of this step.
 
     query [L, B, HQ, D] -> [L, B, heads, max_pages * P] f32, 0 past each row's length. The
-    layers are folded into the kernel's batch: layer l's pages are page_table + l * num_pages
-    in the flattened cache (as in `sparsejax.stack`).
+    layers are folded into the kernel's batch, each reading its pages of the flattened cache.
     """
     L, B = query.shape[:2]
-    offsets = jnp.arange(L, dtype=jnp.int32)[:, None, None] * cache.num_pages
-    tables = (cache.page_table[None] + offsets).reshape(L * B, -1)
+    layers = jnp.arange(L, dtype=jnp.int32)[:, None, None]
+    tables = layer_page_ids(cache.page_table[None], layers, cache.num_pages).reshape(L * B, -1)
     scores = paged_decode_attention(
         query.reshape((L * B,) + query.shape[2:]), layer_pages(cache.k), layer_pages(cache.v),
         tables, jnp.tile(cache.lengths, L), score=score).scores
