@@ -93,7 +93,7 @@ def gates(args) -> dict:
     import math
 
     from sparsejax import methods as M
-    from sparsejax.train.gates import load_retrieval_heads
+    from sparsejax.artifacts import load_retrieval_heads
 
     def build(model, ratio):
         tokens = max(1, math.ceil(ratio * args.context))

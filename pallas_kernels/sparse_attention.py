@@ -575,15 +575,7 @@ def attended_mask(indices, count, lengths, *, num_positions: int, num_heads: int
     cover = cover.at[jnp.arange(batch)[:, None, None], jnp.arange(groups)[None, :, None],
                      slot].set(True)
     cover = jnp.repeat(cover[..., :num_units], unit, axis=-1)[..., :num_positions]
-    kv_of_head = jnp.arange(num_heads) // group_size
-    if groups == num_kv_heads:
-        group_of_head = (kv_of_head if head_map is None
-                         else jnp.clip(head_map, 0, num_kv_heads - 1)[kv_of_head])
-    elif groups == 1:
-        group_of_head = jnp.zeros((num_heads,), jnp.int32)
-    else:
-        group_of_head = jnp.arange(num_heads)
-    mask = cover[:, group_of_head, :]
+    mask = cover[:, common.group_of_head(groups, num_heads, num_kv_heads, head_map), :]
     if dense_heads is not None:
-        mask = mask | dense_heads[kv_of_head][None, :, None]
+        mask = mask | dense_heads[jnp.arange(num_heads) // group_size][None, :, None]
     return mask & (jnp.arange(num_positions) < lengths[:, None, None])

@@ -2,7 +2,8 @@
 
 k, v [layers, num_pages, kv_heads, page_size, head_dim] keep one (page, head) tile contiguous.
 Token t of row b lives in page `page_table[b, t // page_size]`, slot `t % page_size`;
-`token_address` is the one place that computes this.
+`token_address` is the one place that computes this, and `layer_page_ids` the one place that
+offsets a page to its layer in the flattened cache.
 """
 from __future__ import annotations
 
@@ -79,8 +80,14 @@ def token_address(page_table: jax.Array, positions: jax.Array, page_size: int):
 
 def layer_pages(cache_kv: jax.Array) -> jax.Array:
     """[layers, num_pages, ...] -> [layers * num_pages, ...]: a free reshape. Layer l's pages are
-    then addressed by `page_table + l * num_pages`, so kernels read the stacked cache in place."""
+    then addressed by `layer_page_ids`, so kernels read the stacked cache in place."""
     return cache_kv.reshape((-1,) + cache_kv.shape[2:])
+
+
+def layer_page_ids(pages: jax.Array, layer, num_pages: int) -> jax.Array:
+    """Physical page ids `pages` (a page table, or one page per row) of layer `layer` (broadcast
+    against them) in the flattened cache of `layer_pages`."""
+    return pages + layer * num_pages
 
 
 def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,

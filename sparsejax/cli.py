@@ -136,8 +136,8 @@ def main(argv=None) -> int:
     add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
-    from sparsejax import calibrate, demo, eval as evaluation
-    from sparsejax.train import gates, pretrain
+    from sparsejax import demo, eval as evaluation
+    from sparsejax.train import calibrate, gates, pretrain
     demo.add_parser(sub)
     evaluation.add_parser(sub)
     pretrain.add_parser(sub)

@@ -53,7 +53,7 @@ def shipped_retrieval_heads(model_dir: Path | None):
     gates = Path(model_dir) / "gates"
     if not gates.is_dir():
         return None
-    from sparsejax.train.gates import load_retrieval_heads
+    from sparsejax.artifacts import load_retrieval_heads
 
     candidates = sorted(p for p in gates.iterdir() if p.suffix == ".json")
     return load_retrieval_heads(candidates[0]) if candidates else None
@@ -64,7 +64,7 @@ def shipped_calibration(model_dir: Path | None, model) -> dict[str, Path]:
     each is checked to be made for these weights (a stale one is an error, not skipped)."""
     if model_dir is None:
         return {}
-    from sparsejax.calibrate import load_calibration
+    from sparsejax.artifacts import load_calibration
 
     paths = {kind: Path(model_dir) / "calibration" / f"{kind}.json"
              for kind in ("delta", "kascade")}

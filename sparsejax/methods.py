@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from sparsejax import artifacts
 from sparsejax.models import ModelConfig
 from sparsejax.plan import Budget, Residual, Role, Selector, SparsePlan
 
@@ -108,6 +109,17 @@ def _roles(num_layers: int, dense=(), select=(), default=Role.REUSE) -> tuple[Ro
         else:
             roles.append(default)
     return tuple(roles)
+
+
+def _origin():
+    """The file a method's layer choices or heads were read from (`artifacts.Origin`): checked
+    against the model in `to_plan`, not part of the method's value."""
+    return dataclasses.field(default=None, compare=False, repr=False)
+
+
+def _check_origin(origin: artifacts.Origin | None, config: ModelConfig) -> None:
+    if origin is not None:
+        origin.check(config)
 
 
 # ---- methods --------------------------------------------------------------------------------
@@ -210,6 +222,7 @@ class DELTA:
     page_size: int = 16
     budget_pages: int = 64
     recent_pages: int = 8
+    origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
         _positive("DELTA budget_pages", self.budget_pages)
@@ -222,12 +235,13 @@ class DELTA:
 
     @classmethod
     def from_calibration(cls, path, model=None, **overrides) -> "DELTA":
-        """Δ-layers from a `sparsejax calibrate` file; with `model`, checked to be made for it."""
-        from sparsejax.calibrate import load_calibration
-        calib = load_calibration(path, "delta", model=model)
-        return cls(delta_layers=tuple(calib["layers"]), **overrides)
+        """Δ-layers from a `sparsejax calibrate` file; with `model`, checked to be made for it
+        (and against every model it is planned for)."""
+        calib = artifacts.load_calibration(path, "delta", model=model)
+        return cls(delta_layers=tuple(calib["layers"]), origin=calib["origin"], **overrides)
 
     def to_plan(self, config, page_size=None):
+        _check_origin(self.origin, config)
         L = config.num_layers
         p = _page_size("DELTA", self.page_size, page_size)
         dense = _layers("DELTA dense_layers", self.dense_layers, L)
@@ -247,6 +261,7 @@ class Kascade:
     min_k: int = 128
     head_map: Any = None          # [layers, kv_heads] ints, or None for identity
     pooled_all_heads: bool = False
+    origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
         _positive("Kascade ratio", self.ratio)
@@ -268,11 +283,12 @@ class Kascade:
     def from_calibration(cls, path, model=None, **overrides) -> "Kascade":
         """Anchors and head map from a `sparsejax calibrate` file; with `model`, checked to be
         made for it."""
-        from sparsejax.calibrate import load_calibration
-        calib = load_calibration(path, "kascade", model=model)
-        return cls(anchor_layers=tuple(calib["layers"]), head_map=calib["head_map"], **overrides)
+        calib = artifacts.load_calibration(path, "kascade", model=model)
+        return cls(anchor_layers=tuple(calib["layers"]), head_map=calib["head_map"],
+                   origin=calib["origin"], **overrides)
 
     def to_plan(self, config, page_size=None):
+        _check_origin(self.origin, config)
         L, HK = config.num_layers, config.num_kv_heads
         anchors = _layers("Kascade anchor_layers", self.anchor_layers, L)
         if 0 not in anchors:
@@ -303,14 +319,15 @@ class Lychee:
     recent: int = 256
     block: int = 1
     gates: Any = None   # alias of retrieval_heads given as a checkpoint path
+    origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
         source = self.gates if self.gates is not None else self.retrieval_heads
         if source is None:
             raise ValueError("Lychee needs retrieval_heads=[layers, kv_heads] bools or gates=PATH")
         if isinstance(source, (str, Path)):
-            from sparsejax.train.gates import load_retrieval_heads
-            source = load_retrieval_heads(source)
+            source, origin = artifacts.load_gates(source)
+            object.__setattr__(self, "origin", origin)
         mask = np.asarray(source)
         if mask.ndim != 2:
             raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected "
@@ -330,6 +347,7 @@ class Lychee:
         if mask.shape != (L, HK):
             raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected [{L}, {HK}] "
                              "([layers, kv_heads] of this model; gates trained for another model?)")
+        _check_origin(self.origin, config)
         mask[0] = True   # layer 0 is all retrieval
         p = _page_size("Lychee", None, page_size)
         roles = tuple(Role.SELECT if r.all() else Role.REUSE if not r.any() else Role.HYBRID

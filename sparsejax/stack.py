@@ -8,7 +8,7 @@ are separate buffers that its matmuls read in place, once per step. Stacked para
 slice before its matmul, so a step reads the weights twice.
 
 The KV cache is carried flattened to [layers * num_pages, HK, P, D]; layer l's pages are
-addressed with `page_table + l * num_pages`, so kernels read the stacked cache in place and
+addressed with `cache.layer_page_ids`, so kernels read the stacked cache in place and
 each step's token is written with one in-place update per layer.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa, selection
-from sparsejax.cache import PagedKVCache, layer_pages, token_address, write_token
+from sparsejax.cache import (PagedKVCache, layer_page_ids, layer_pages, token_address,
+                             write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
 from sparsejax.models.decoder import ForwardOutput
@@ -96,11 +97,12 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
     lp = layer_params(model.params, layer)
     with jax.named_scope("qkv"):
         q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
-    k_flat, v_flat = write_token(carry.k, carry.v, layer * num_pages + ctx.pages, ctx.slots, k, v)
+    k_flat, v_flat = write_token(carry.k, carry.v, layer_page_ids(ctx.pages, layer, num_pages),
+                                 ctx.slots, k, v)
     state = carry.state
     if plan.selector is not None:
         state = selection.update_state(plan, state, layer, ctx, k, v, q)
-    table = ctx.page_table + layer * num_pages
+    table = layer_page_ids(ctx.page_table, layer, num_pages)
     attend = functools.partial(_attend, role=role, plan=plan, config=c, q=q, k_pages=k_flat,
                                v_pages=v_flat, table=table, lengths=ctx.lengths, layer=layer,
                                ctx=ctx, state=state)

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 import sparsejax
-from sparsejax import calibrate as C
+from sparsejax import artifacts as A
 from sparsejax import methods as M
 from sparsejax.models import ModelConfig, init_params
 from sparsejax.models.decoder import cast_params
+from sparsejax.train import calibrate as C
 
 from hf_checkpoints import build
 
@@ -215,7 +216,7 @@ SETTINGS = {"decode_steps": 2, "samples": 1, "prompts": "test"}
 
 def test_calibration_file_round_trips_into_methods(tmp_path):
     model = tiny_model()
-    C.save_calibration(tmp_path / "delta.json", model, method="delta", layers=(3, 2),
+    A.save_calibration(tmp_path / "delta.json", model, method="delta", layers=(3, 2),
                        curves={"shift": np.array([0.1, 0.5, 0.2])}, settings=SETTINGS)
     delta = M.DELTA.from_calibration(tmp_path / "delta.json", model=model, budget_pages=4,
                                        recent_pages=1)
@@ -226,7 +227,7 @@ def test_calibration_file_round_trips_into_methods(tmp_path):
     head_map = np.array([[0, 1], [1, 1], [0, 1], [1, 0]])
     layer_sim = np.triu(np.ones((4, 4)))
     layer_sim[np.tril_indices(4, -1)] = np.nan
-    C.save_calibration(tmp_path / "kascade.json", model, method="kascade", layers=(0, 2),
+    A.save_calibration(tmp_path / "kascade.json", model, method="kascade", layers=(0, 2),
                        head_map=head_map, settings={**SETTINGS, "k": 8},
                        curves={"layer_similarity": layer_sim, "importance": np.ones(4)})
     doc = json.loads((tmp_path / "kascade.json").read_text())   # strict JSON: NaN as null
@@ -240,11 +241,11 @@ def test_calibration_file_round_trips_into_methods(tmp_path):
 def test_calibration_file_refuses_another_model(tmp_path):
     model = tiny_model()
     path = tmp_path / "delta.json"
-    C.save_calibration(path, model, method="delta", layers=(2,), curves={}, settings=SETTINGS)
+    A.save_calibration(path, model, method="delta", layers=(2,), curves={}, settings=SETTINGS)
     # one checkpoint loaded in another dtype is the same model
     same = model.replace(params=cast_params(model.params, jnp.bfloat16))
-    assert C.model_fingerprint(same) == C.model_fingerprint(model)
-    C.load_calibration(path, "delta", model=same)
+    assert A.fingerprint(same) == A.fingerprint(model)
+    A.load_calibration(path, "delta", model=same)
     with pytest.raises(ValueError, match="layers: file 4, model 5"):
         M.DELTA.from_calibration(path, model=tiny_model(num_layers=5))
     with pytest.raises(ValueError, match="params_hash: file"):
@@ -253,7 +254,7 @@ def test_calibration_file_refuses_another_model(tmp_path):
         M.Kascade.from_calibration(path)
     (tmp_path / "other.json").write_text('{"layers": [2]}')
     with pytest.raises(ValueError, match="not a sparsejax calibration file"):
-        C.load_calibration(tmp_path / "other.json", "delta")
+        A.load_calibration(tmp_path / "other.json", "delta")
 
 
 # ---- bad inputs -----------------------------------------------------------------------------
@@ -281,10 +282,10 @@ def test_bad_inputs_name_the_argument():
         (lambda: C.attention_shift(model, ids, decode_steps=1, lengths=[8, 9]), "lengths range"),
         (lambda: C.attention_shift(model, ids, decode_steps=1, batch_size=0), "batch_size=0"),
         (lambda: C.kascade_similarity(model, ids, k=0, decode_steps=1), "k=0"),
-        (lambda: C.save_calibration("x.json", model, method="kascade", layers=(0, 2),
+        (lambda: A.save_calibration("x.json", model, method="kascade", layers=(0, 2),
                                     head_map=np.zeros((4, 3), int), curves={}, settings={}),
          "head_map has shape"),
-        (lambda: C.save_calibration("x.json", model, method="quest", layers=(0,), curves={},
+        (lambda: A.save_calibration("x.json", model, method="quest", layers=(0,), curves={},
                                     settings={}), "method='quest'"),
     ]
     for call, match in cases:
@@ -319,7 +320,7 @@ def test_cli_delta_and_kascade(word_model_dir, tmp_path):
                "--out", str(tmp_path / "delta.json"), *common) == 0
     model = sparsejax.from_pretrained(word_model_dir, dtype=jnp.float32)
     delta = M.DELTA.from_calibration(tmp_path / "delta.json", model=model)
-    doc = C.load_calibration(tmp_path / "delta.json", "delta")
+    doc = A.load_calibration(tmp_path / "delta.json", "delta")
     assert len(delta.delta_layers) == 2 and delta.delta_layers[0] == 2
     assert len(doc["curves"]["shift"]) == 3 and doc["settings"]["samples"] == 3
     assert "niah,vt" in doc["settings"]["prompts"]
@@ -330,7 +331,7 @@ def test_cli_delta_and_kascade(word_model_dir, tmp_path):
     assert cli("--method", "kascade", "--prompts", str(tmp_path / "prompts.txt"), "--k", "4",
                "--anchors", "2", "--out", str(tmp_path / "kascade.json"), *common) == 0
     kascade = M.Kascade.from_calibration(tmp_path / "kascade.json", model=model)
-    doc = C.load_calibration(tmp_path / "kascade.json", "kascade")
+    doc = A.load_calibration(tmp_path / "kascade.json", "kascade")
     assert len(kascade.anchor_layers) == 2 and kascade.anchor_layers[0] == 0
     assert np.asarray(kascade.head_map).shape == (4, 2) and doc["settings"]["samples"] == 3
     for png in ("delta_shift.png", "kascade_layer_similarity.png"):

@@ -78,12 +78,12 @@ def test_evaluate(model, tmp_path):
 
 
 def test_evaluate_uses_the_calibration_shipped_beside_the_model(model, tmp_path):
-    from sparsejax import calibrate as C
+    from sparsejax import artifacts as A
 
     (tmp_path / "calibration").mkdir()
-    C.save_calibration(tmp_path / "calibration" / "delta.json", model, method="delta",
+    A.save_calibration(tmp_path / "calibration" / "delta.json", model, method="delta",
                        layers=(3,), curves={}, settings={})
-    C.save_calibration(tmp_path / "calibration" / "kascade.json", model, method="kascade",
+    A.save_calibration(tmp_path / "calibration" / "kascade.json", model, method="kascade",
                        layers=(0, 3), head_map=np.array([[0, 1], [1, 0], [1, 1], [0, 1]]),
                        curves={}, settings={})
     kw = dict(tasks=("niah",), context=CONTEXT, samples=1, method_names=["delta", "kascade"],
@@ -97,7 +97,7 @@ def test_evaluate_uses_the_calibration_shipped_beside_the_model(model, tmp_path)
         assert roles == want, calibrated
     # a file made for other weights is an error, not silently skipped
     other = Model(model.config, init_params(model.config, jax.random.key(4), jnp.float32))
-    C.save_calibration(tmp_path / "calibration" / "delta.json", other, method="delta",
+    A.save_calibration(tmp_path / "calibration" / "delta.json", other, method="delta",
                        layers=(3,), curves={}, settings={})
     with pytest.raises(ValueError, match="params_hash"):
         evaluation.evaluate(model, **kw)

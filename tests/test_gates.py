@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import sparsejax
+from sparsejax import artifacts
 from sparsejax import methods as M
 from sparsejax.models import (ModelConfig, attention_inputs, embed, finish_layer, forward,
                               init_params)
@@ -246,9 +247,9 @@ def test_checkpoint_round_trip(checkpointed, tmp_path):
     record = json.loads(path.read_text())
     np.testing.assert_array_equal(np.asarray(record["a"], np.float32), np.asarray(state.a))
     np.testing.assert_array_equal(np.asarray(record["b"], np.float32), np.asarray(state.b))
-    assert record["target"] == 3 and record["fingerprint"] == state.fingerprint
+    assert record["target"] == 3 and record["fingerprint"] == state.fingerprint.to_json()
     for source in (path, tmp_path, ckpt):
-        np.testing.assert_array_equal(gates.load_retrieval_heads(source),
+        np.testing.assert_array_equal(artifacts.load_retrieval_heads(source),
                                       state.retrieval_heads())
 
 
@@ -300,9 +301,9 @@ def test_duoattention_tsv(tmp_path):
     np.savetxt(tmp_path / "full_attention_heads.tsv", scores, delimiter="\t")
     want = np.array([[1, 1], [1, 0], [1, 1], [0, 0]], bool)
     for source in (tmp_path, tmp_path / "full_attention_heads.tsv"):
-        np.testing.assert_array_equal(gates.load_retrieval_heads(source), want)
+        np.testing.assert_array_equal(artifacts.load_retrieval_heads(source), want)
     np.testing.assert_array_equal(
-        gates.load_retrieval_heads(tmp_path, threshold=0.3),
+        artifacts.load_retrieval_heads(tmp_path, threshold=0.3),
         np.array([[1, 1], [1, 1], [1, 1], [0, 1]], bool))
 
 
@@ -313,7 +314,7 @@ def test_reference_pt_files(tmp_path, monkeypatch):
     full = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]])
     for name, x in (("a.pt", a), ("b.pt", b), ("full_head.pt", full)):
         torch.save(x, tmp_path / name)
-    np.testing.assert_array_equal(gates.load_retrieval_heads(tmp_path), full.numpy() > 0.5)
+    np.testing.assert_array_equal(artifacts.load_retrieval_heads(tmp_path), full.numpy() > 0.5)
     (tmp_path / "full_head.pt").unlink()
     means = np.asarray(hardkuma.mean(jnp.asarray(a.detach().numpy()),
                                      jnp.asarray(b.detach().numpy())))
@@ -321,20 +322,20 @@ def test_reference_pt_files(tmp_path, monkeypatch):
     want[0] = True
     assert want[1:].any() and not want[1:].all()
     for source in (tmp_path, tmp_path / "a.pt"):
-        np.testing.assert_array_equal(gates.load_retrieval_heads(source), want)
+        np.testing.assert_array_equal(artifacts.load_retrieval_heads(source), want)
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(ValueError, match="needs torch"):
-        gates.load_retrieval_heads(tmp_path)
+        artifacts.load_retrieval_heads(tmp_path)
 
 
 def test_unknown_gate_sources(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
-        gates.load_retrieval_heads(tmp_path / "missing.json")
+        artifacts.load_retrieval_heads(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="holds none of"):
-        gates.load_retrieval_heads(tmp_path)
+        artifacts.load_retrieval_heads(tmp_path)
     (tmp_path / "x.json").write_text("{}")
     with pytest.raises(ValueError, match="is not a gate file"):
-        gates.load_retrieval_heads(tmp_path / "x.json")
+        artifacts.load_retrieval_heads(tmp_path / "x.json")
 
 
 def test_lychee_gates_through_generate(model, checkpointed, tmp_path):
@@ -365,6 +366,6 @@ def test_cli(model, tmp_path):
                               "--loss", "hidden"])
     assert (args.budget_ratio, args.seed, args.checkpoint_dir) == (0.3, 0, None)
     assert args.func(args) == 0
-    heads = gates.load_retrieval_heads(tmp_path / "out")
+    heads = artifacts.load_retrieval_heads(tmp_path / "out")
     assert heads.shape == (CFG.num_layers, CFG.num_kv_heads) and heads[0].all()
     assert json.loads((tmp_path / "out" / "gates.json").read_text())["step"] == 2

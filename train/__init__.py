@@ -1,4 +1,6 @@
-"""Training tools: the shipped model's pretraining recipe and LycheeDecode's head gates."""
-from .gates import GateState, load_retrieval_heads, train_gates
+"""Jobs that fit things to a model, and what they read: pretraining the shipped model
+(`pretrain`, on the synthetic tasks of `data` with the word-level `tokenizer`), LycheeDecode's
+head gates (`gates`, `hardkuma`, `passkey`) and DELTA/Kascade calibration (`calibrate`).
 
-__all__ = ["GateState", "load_retrieval_heads", "train_gates"]
+Nothing is imported here, so `from sparsejax.train import data` loads neither Optax nor Orbax.
+"""

@@ -76,10 +76,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -90,10 +88,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sparsejax import selection
+from sparsejax import artifacts, selection
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
-                              layer_params, stack_layers, unembed)
+                              stack_layers, unembed)
 from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Budget, SparsePlan
@@ -103,8 +101,6 @@ from .passkey import GateBatch, PasskeyData
 
 LOSSES = ("logits", "hidden")
 LOG_BOUND = 1.5       # log a and log b are projected onto [-LOG_BOUND, LOG_BOUND]
-GATES_FILE = "gates.json"
-FORMAT = "sparsejax-gates/1"
 
 
 # ---- settings and state ---------------------------------------------------------------------
@@ -138,7 +134,8 @@ class GateState:
     scale: jax.Array      # float32 scalar: D0, the distillation loss of step 0 (0 before)
     rng: jax.Array        # uint32 key data; step s samples with fold_in(key, s)
     target: float = flax.struct.field(pytree_node=False)
-    fingerprint: str = flax.struct.field(pytree_node=False, default="")
+    fingerprint: artifacts.Fingerprint | None = flax.struct.field(pytree_node=False,
+                                                                   default=None)
 
     @property
     def a(self) -> jax.Array:
@@ -180,7 +177,7 @@ def _optimizer(training: GateTraining):
 
 
 def init_gate_state(num_layers: int, num_kv_heads: int, training: GateTraining, seed: int,
-                    fingerprint: str = "") -> GateState:
+                    fingerprint: artifacts.Fingerprint | None = None) -> GateState:
     """a = b = 1 (a uniform Kuma) for every KV head of layers 1..L-1, lam = 1."""
     shape = (num_layers - 1, num_kv_heads)
     params = {"log_a": jnp.zeros(shape, jnp.float32), "log_b": jnp.zeros(shape, jnp.float32)}
@@ -189,19 +186,6 @@ def init_gate_state(num_layers: int, num_kv_heads: int, training: GateTraining, 
                      lam=jnp.ones((), jnp.float32), scale=jnp.zeros((), jnp.float32),
                      rng=jax.random.key_data(jax.random.key(seed)),
                      target=float(training.target), fingerprint=fingerprint)
-
-
-def model_fingerprint(model: Model) -> str:
-    """A short hash of the config and a sample of the weights (every norm, ~64 embedding rows):
-    tells gates of different checkpoints apart without hashing every weight."""
-    p = model.params
-    h = hashlib.sha256(json.dumps(model.config.to_hf_dict(), sort_keys=True).encode())
-    step = max(1, p["embed"].shape[0] // 64)
-    norms = [jnp.stack([layer_params(p, i)[name] for i in range(model.config.num_layers)])
-             for name in ("attn_norm", "mlp_norm")]
-    for x in (p["embed"][::step], p["final_norm"], *norms):
-        h.update(np.asarray(x, np.float32).tobytes())
-    return h.hexdigest()[:16]
 
 
 # ---- teacher and student --------------------------------------------------------------------
@@ -363,10 +347,11 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
     training = GateTraining(float(target_retrieval_heads), steps, float(lr), float(lambda_lr),
                             budget, int(sinks), int(recent), int(block), loss)
     teacher_fn, step_fn = _compiled(c, training)   # also validates budget/sinks/recent/block
+    fingerprint = artifacts.fingerprint(model)
     meta = {"training": training.to_json(), "data": data.describe(),
-            "fingerprint": model_fingerprint(model), "seed": int(seed),
+            "fingerprint": fingerprint.to_json(), "seed": int(seed),
             "shape": [c.num_layers, c.num_kv_heads]}
-    state = init_gate_state(c.num_layers, c.num_kv_heads, training, seed, meta["fingerprint"])
+    state = init_gate_state(c.num_layers, c.num_kv_heads, training, seed, fingerprint)
     manager = None
     if checkpoint_dir is not None:
         manager = _manager(checkpoint_dir, checkpoint_every)
@@ -456,27 +441,13 @@ def _restore(manager, like: GateState) -> tuple[GateState, dict]:
     return jax.tree.unflatten(jax.tree.structure(like), leaves), out.meta
 
 
-def _latest_meta(directory: str | Path) -> dict | None:
-    """The JSON record of a checkpoint directory's latest step, or None without checkpoints."""
-    import orbax.checkpoint as ocp
-
-    manager = _manager(directory)
-    if manager.latest_step() is None:
-        return None
-    meta = manager.restore(manager.latest_step(),
-                           args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-    if not isinstance(meta, dict) or "gates" not in meta:
-        raise ValueError(f"{directory} holds Orbax checkpoints, but not of train_gates")
-    return meta
-
-
 def restore_gate_state(checkpoint_dir: str | Path) -> GateState:
     """The GateState of the latest checkpoint in a `train_gates` checkpoint directory."""
-    meta = _latest_meta(checkpoint_dir)
+    meta = artifacts.latest_checkpoint_record(checkpoint_dir)
     if meta is None:
         raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} holds no gate checkpoint")
     like = init_gate_state(*meta["shape"], GateTraining.from_json(meta["training"]),
-                           meta["seed"], meta["fingerprint"])
+                           meta["seed"], artifacts.Fingerprint.from_json(meta["fingerprint"]))
     return _restore(_manager(checkpoint_dir), like)[0]
 
 
@@ -484,91 +455,16 @@ def restore_gate_state(checkpoint_dir: str | Path) -> GateState:
 def gate_record(state: GateState) -> dict:
     """The gates as JSON: retrieval_heads [layers][kv_heads], a and b of layers 1..L-1, the
     HardKuma means, E[L0], the target, lam, the step and the model fingerprint."""
-    return {"format": FORMAT, "retrieval_heads": state.retrieval_heads().tolist(),
+    return {"retrieval_heads": state.retrieval_heads().tolist(),
             "a": np.asarray(state.a).tolist(), "b": np.asarray(state.b).tolist(),
             "mean": state.mean().tolist(), "expected_l0": state.expected_l0(),
             "target": state.target, "lambda": float(state.lam), "step": int(state.step),
-            "fingerprint": state.fingerprint}
+            "fingerprint": None if state.fingerprint is None else state.fingerprint.to_json()}
 
 
 def save_gates(state: GateState, path: str | Path) -> Path:
-    """Write `gate_record(state)` as JSON (to a temporary file first, then renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(gate_record(state), indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def load_retrieval_heads(path: str | Path, *, threshold: float = 0.5) -> np.ndarray:
-    """[layers, kv_heads] bool retrieval heads (layer 0 True) from any gate file (module
-    docstring); `threshold` applies to DuoAttention scores only."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"gates path {str(path)!r} does not exist")
-    if path.is_dir():
-        for name, reader in ((GATES_FILE, _from_json), ("full_attention_heads.tsv", _from_tsv),
-                             ("full_head.pt", _from_reference), ("a.pt", _from_reference)):
-            if (path / name).exists():
-                heads = reader(path / name, threshold)
-                break
-        else:
-            meta = _latest_meta(path)
-            if meta is None:
-                raise ValueError(
-                    f"gates directory {str(path)!r} holds none of {GATES_FILE}, "
-                    "full_attention_heads.tsv, full_head.pt, a.pt/b.pt, nor an Orbax gate "
-                    "checkpoint")
-            heads = np.asarray(meta["gates"]["retrieval_heads"], bool)
-    elif path.suffix in (".json", ".tsv", ".pt"):
-        reader = {".json": _from_json, ".tsv": _from_tsv, ".pt": _from_reference}[path.suffix]
-        heads = reader(path, threshold)
-    else:
-        raise ValueError(f"gates path {str(path)!r}: expected a .json, .tsv or .pt file, or a "
-                         "directory of gates")
-    if heads.ndim != 2 or heads.shape[0] < 1:
-        raise ValueError(f"gates {str(path)!r} hold shape {heads.shape}: expected "
-                         "[layers, kv_heads]")
-    heads = heads.copy()
-    heads[0] = True
-    return heads
-
-
-def _from_json(path: Path, threshold: float) -> np.ndarray:
-    record = json.loads(path.read_text())
-    if record.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a gate file (format {record.get('format')!r}, expected "
-                         f"{FORMAT!r})")
-    return np.asarray(record["retrieval_heads"], bool)
-
-
-def _from_tsv(path: Path, threshold: float) -> np.ndarray:
-    scores = np.clip(np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2), 0, 1)
-    return scores >= threshold
-
-
-def _from_reference(path: Path, threshold: float) -> np.ndarray:
-    """The reference code's gates in the directory of `path`: full_head.pt ([layers, kv_heads],
-    1.0 = retrieval) when present, else a.pt and b.pt."""
-    try:
-        import torch
-    except ImportError:
-        raise ValueError(f"reading {path} (the reference code's torch gates) needs torch: "
-                         "pip install torch") from None
-
-    directory = path.parent
-
-    def read(name):
-        if not (directory / name).exists():
-            raise ValueError(f"{directory} has no {name}: expected full_head.pt, or a.pt and b.pt")
-        return torch.load(directory / name, map_location="cpu",
-                          weights_only=True).detach().float().numpy()
-
-    if (directory / "full_head.pt").exists():
-        return read("full_head.pt") > 0.5
-    a, b = read("a.pt"), read("b.pt")
-    return np.asarray(hardkuma.mean(jnp.asarray(a), jnp.asarray(b))) > 0.5
+    """Write `gate_record(state)` as a gate file (`artifacts.save_gates`)."""
+    return artifacts.save_gates(path, gate_record(state))
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -625,7 +521,7 @@ def run(args) -> int:
                         sinks=args.sinks, recent=args.recent, loss=args.loss, seed=args.seed,
                         checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every)
-    path = save_gates(state, Path(args.out) / GATES_FILE)
+    path = save_gates(state, Path(args.out) / artifacts.GATES_FILE)
     heads = state.retrieval_heads()
     print(f"E[L0] = {state.expected_l0():.2f}, lambda = {float(state.lam):.4g}; "
           f"{int(heads[1:].sum())} retrieval heads in layers 1..{c.num_layers - 1}:")

@@ -192,8 +192,8 @@ def recipe(size: str = "default", *, max_context: int | None = None,
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Steps per stage, fixed before training (stored in checkpoints)."""
+class StageSchedule:
+    """Steps per curriculum stage, fixed before training (stored in checkpoints as "plan")."""
     stage_steps: tuple[int, ...]
 
     @property
@@ -217,24 +217,24 @@ class Plan:
         return count
 
 
-def plan_by_steps(recipe: Recipe, steps: int) -> Plan:
+def plan_by_steps(recipe: Recipe, steps: int) -> StageSchedule:
     if steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
     shares = np.asarray([s.share for s in recipe.stages])
     counts = np.floor(shares / shares.sum() * steps).astype(int)
     counts[-1] += steps - counts.sum()
-    return Plan(tuple(int(c) for c in counts))
+    return StageSchedule(tuple(int(c) for c in counts))
 
 
-def plan_by_time(recipe: Recipe, seconds: float, step_seconds: list[float]) -> Plan:
+def plan_by_time(recipe: Recipe, seconds: float, step_seconds: list[float]) -> StageSchedule:
     shares = np.asarray([s.share for s in recipe.stages])
     counts = np.floor(shares / shares.sum() * seconds / np.asarray(step_seconds)).astype(int)
     counts[-1] = max(counts[-1], 1)
-    return Plan(tuple(int(c) for c in counts))
+    return StageSchedule(tuple(int(c) for c in counts))
 
 
 # ---- data -----------------------------------------------------------------------------------
-def make_batch(recipe: Recipe, plan: Plan, seed: int, step: int) -> data.TrainBatch:
+def make_batch(recipe: Recipe, plan: StageSchedule, seed: int, step: int) -> data.TrainBatch:
     """The batch of `step`: the stage's tasks in turn, at the stage's context or (short rows)
     the task's needles and question plus a log-uniform amount of filler (4 tokens up), with
     sample indices continuing the run's sample count."""
@@ -409,9 +409,10 @@ def eval_samples(recipe: Recipe, seed: int, per_cell: int) -> list[data.Sample]:
             for i in range(per_cell) for context in recipe.eval_contexts for task in data.TASKS]
 
 
-def evaluate(model: Model, samples: list[data.Sample], rows: int, width: int) -> dict:
-    """Greedy exact match through `sparsejax.generate`, in batches of `rows` prompts padded to
-    `width` (one compiled shape). Returns {task: {context: accuracy}}."""
+def dense_accuracy(model: Model, samples: list[data.Sample], rows: int, width: int) -> dict:
+    """Accuracy of dense greedy decoding: exact match through `sparsejax.generate`, in
+    batches of `rows` prompts padded to `width` (one compiled shape). Returns
+    {task: {context: accuracy}}."""
     import sparsejax
 
     hits: dict = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -491,7 +492,8 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
     compiled, attention = _compile(recipe, state, dtype, seed)
     compile_s = time.perf_counter() - t0
     if meta is not None:       # resume: the stored plan, log and clock continue the run
-        plan, log, train_s = Plan(tuple(meta["plan"])), meta["log"], float(meta["train_seconds"])
+        plan = StageSchedule(tuple(meta["plan"]))
+        log, train_s = meta["log"], float(meta["train_seconds"])
     else:
         if steps is not None:
             plan = plan_by_steps(recipe, steps)
@@ -552,7 +554,7 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
             if done % eval_every == 0 or done == plan.total:
                 t = time.perf_counter()
                 model = Model(recipe.model, cast_params(state.params, dtype))
-                acc = evaluate(model, evals, len(evals), recipe.max_context)
+                acc = dense_accuracy(model, evals, len(evals), recipe.max_context)
                 log["evals"].append({"step": done, "exact_match": acc})
                 bar.write(f"step {done}: greedy exact match {_summary(acc)}")
                 window_t += time.perf_counter() - t   # tokens/s counts training time only
@@ -587,7 +589,7 @@ def _compile(recipe: Recipe, state: TrainState, dtype, seed: int):
     def warm_eval():
         model = Model(recipe.model, cast_params(state.params, dtype))
         samples = eval_samples(recipe, seed, recipe.eval_samples)
-        evaluate(model, samples[:1], len(samples), recipe.max_context)
+        dense_accuracy(model, samples[:1], len(samples), recipe.max_context)
 
     with concurrent.futures.ThreadPoolExecutor(len(first_of_shape) + 1) as pool:
         futures = {shape: pool.submit(lower, i) for shape, i in first_of_shape.items()}
@@ -620,7 +622,7 @@ def _time_stages(recipe: Recipe, compiled: list, state: TrainState, dtype, seed:
     """Seconds per step of each stage (the second of two steps on a copy of the state, or the
     time `workers` data processes take to build its batch, if that is longer), and seconds
     per periodic eval."""
-    provisional = Plan(tuple(1 for _ in recipe.stages))
+    provisional = StageSchedule(tuple(1 for _ in recipe.stages))
     seconds = []
     for i, fn in enumerate(compiled):
         t = time.perf_counter()
@@ -635,8 +637,8 @@ def _time_stages(recipe: Recipe, compiled: list, state: TrainState, dtype, seed:
         seconds.append(max(step, 1.25 * build / workers) if workers else step + build)
     t = time.perf_counter()
     evals = eval_samples(recipe, seed, recipe.eval_samples)
-    evaluate(Model(recipe.model, cast_params(state.params, dtype)), evals, len(evals),
-             recipe.max_context)
+    dense_accuracy(Model(recipe.model, cast_params(state.params, dtype)), evals, len(evals),
+                   recipe.max_context)
     return seconds, time.perf_counter() - t
 
 
@@ -687,7 +689,7 @@ def export(run: Run, recipe: Recipe, out: str | Path, seed: int = 0) -> Path:
     samples = eval_samples(recipe, seed, recipe.final_eval_samples)
     rows = len(data.TASKS) * len(recipe.eval_contexts) * recipe.eval_samples
     t = time.perf_counter()
-    accuracy = evaluate(model, samples, rows, recipe.max_context)
+    accuracy = dense_accuracy(model, samples, rows, recipe.max_context)
     run.log["final_eval"] = {"samples_per_cell": recipe.final_eval_samples,
                              "exact_match": accuracy,
                              "seconds": round(time.perf_counter() - t, 1)}

@@ -7,21 +7,16 @@ layer's attention of that step's query over the cache (`paged_decode_attention`)
   Kascade (§3.2-3.5, Alg. 1)
                    kascade_similarity -> layer_similarity -> select_anchor_layers -> head_mapping
 
-The choice is kept in a JSON calibration file (`save_calibration`) that names the model it was
-made for; `load_calibration` (and `methods.DELTA/Kascade.from_calibration`) refuse a file made
-for another model. `sparsejax calibrate` runs the whole job from the command line:
+The choice is kept in a calibration file (`sparsejax.artifacts.save_calibration`) that names
+the model it was made for; `methods.DELTA/Kascade.from_calibration` read it.
+`sparsejax calibrate` runs the whole job from the command line:
 
     sparsejax calibrate --method kascade --task niah,vt --samples 16 --context 2048 \
         --decode-steps 16 --anchors 5 --out kascade.json --plot plots/
 """
 from __future__ import annotations
 
-import datetime
 import functools
-import hashlib
-import json
-import math
-import re
 import sys
 from pathlib import Path
 
@@ -29,16 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsejax.cache import allocate, layer_pages
+from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
+from sparsejax.cache import allocate, layer_page_ids, layer_pages
 from sparsejax.generate import decode_step, prefill
-from sparsejax.models import Model, layer_params, split_layer
+from sparsejax.models import Model
 from sparsejax.pallas_kernels import paged_decode_attention
 from sparsejax.plan import dense_plan
-
-FORMAT = "sparsejax-calibration"
-VERSION = 1
-METHODS = ("delta", "kascade")
-
 
 # ---- dense decoding with per-step measurements ----------------------------------------------
 @jax.jit
@@ -109,12 +100,11 @@ def _layer_scores(cache, query, score: str) -> jax.Array:
     """`paged_decode_attention`'s `score` for every layer's query of this step.
 
     query [L, B, HQ, D] -> [L, B, heads, max_pages * P] f32, 0 past each row's length. The
-    layers are folded into the kernel's batch: layer l's pages are page_table + l * num_pages
-    in the flattened cache (as in `sparsejax.stack`).
+    layers are folded into the kernel's batch, each reading its pages of the flattened cache.
     """
     L, B = query.shape[:2]
-    offsets = jnp.arange(L, dtype=jnp.int32)[:, None, None] * cache.num_pages
-    tables = (cache.page_table[None] + offsets).reshape(L * B, -1)
+    layers = jnp.arange(L, dtype=jnp.int32)[:, None, None]
+    tables = layer_page_ids(cache.page_table[None], layers, cache.num_pages).reshape(L * B, -1)
     scores = paged_decode_attention(
         query.reshape((L * B,) + query.shape[2:]), layer_pages(cache.k), layer_pages(cache.v),
         tables, jnp.tile(cache.lengths, L), score=score).scores
@@ -323,116 +313,6 @@ def head_mapping(sim, anchors) -> np.ndarray:
     return np.where((source == layers)[:, None], np.arange(HK)[None, :], best).astype(np.int32)
 
 
-# ---- the calibration file ---------------------------------------------------------------------
-_HASHED_PARAMS = ("embed", "wq", "wk", "wv", "wo", "w_down")
-_HASHED_VALUES = 1024
-
-
-def model_fingerprint(model: Model) -> dict:
-    """Shapes of the model and a short hash of a few of its weights.
-
-    The hash reads the first and last `_HASHED_VALUES` values of the embedding and of the
-    stacked attention and MLP-down weights (so the first and last layers), rounded to bfloat16,
-    so one checkpoint loaded in float32 or bfloat16 hashes alike.
-    """
-    c = model.config
-    digest = hashlib.sha256()
-    p = model.params
-    for name in _HASHED_PARAMS:
-        first, last = ((p[name], p[name]) if name in p else
-                       (split_layer(layer_params(p, 0), c)[name],
-                        split_layer(layer_params(p, c.num_layers - 1), c)[name]))
-        part = jnp.concatenate([first.reshape(-1)[:_HASHED_VALUES],
-                                last.reshape(-1)[-_HASHED_VALUES:]])
-        digest.update(np.asarray(part.astype(jnp.bfloat16)).tobytes())
-    return {"model_type": c.model_type, "layers": c.num_layers, "heads": c.num_heads,
-            "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "hidden": c.hidden_size,
-            "vocab": c.vocab_size, "params_hash": digest.hexdigest()[:16]}
-
-
-def _json_ready(x):
-    """Arrays -> nested lists, NaN -> null (JSON has no NaN)."""
-    if isinstance(x, dict):
-        return {k: _json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple, np.ndarray)):
-        return [_json_ready(v) for v in (x.tolist() if isinstance(x, np.ndarray) else x)]
-    if isinstance(x, (float, np.floating)):
-        return None if math.isnan(x) else float(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
-
-
-def save_calibration(path, model: Model, *, method: str, layers, curves: dict, settings: dict,
-                     head_map=None) -> dict:
-    """Write a calibration file (JSON) and return its contents.
-
-    method: "delta" (layers = Δ-layers) or "kascade" (layers = anchors with 0, and head_map
-    [L, HK]). curves: the measurements behind the choice ({"shift": ...} or
-    {"layer_similarity": ..., "importance": ...}); settings: how they were measured (k,
-    decode_steps, samples, prompt source, ...). The model's fingerprint and the date are added.
-    """
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: expected one of {METHODS}")
-    c = model.config
-    layers = tuple(sorted(int(i) for i in layers))
-    if not layers or len(set(layers)) != len(layers) or layers[0] < 0 or layers[-1] >= c.num_layers:
-        raise ValueError(f"layers={layers}: expected distinct layers in [0, {c.num_layers})")
-    doc = {"format": FORMAT, "version": VERSION, "method": method,
-           "model": model_fingerprint(model), "layers": list(layers)}
-    if method == "kascade":
-        _check_anchors(layers, c.num_layers)
-        hm = np.asarray(head_map)
-        if hm.shape != (c.num_layers, c.num_kv_heads) or hm.min() < 0 or hm.max() >= c.num_kv_heads:
-            raise ValueError(f"head_map has shape {hm.shape}: expected KV head indices in "
-                             f"[0, {c.num_kv_heads}) of shape [{c.num_layers}, {c.num_kv_heads}]")
-        doc["head_map"] = hm.astype(int).tolist()
-    elif head_map is not None:
-        raise ValueError("head_map is for method='kascade'; DELTA shares one page set")
-    doc.update(curves=_json_ready(curves), settings=_json_ready(settings),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    # one line per list of numbers (a curve, a matrix row) keeps the file readable
-    text = re.sub(r"\[[\s\d.eE+\-,nul]*\]",
-                  lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "),
-                  json.dumps(doc, indent=1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
-    return doc
-
-
-def check_calibration(calib: dict, model: Model) -> None:
-    """ValueError naming every fingerprint field where the file and `model` differ."""
-    have = calib.get("model", {})
-    diff = [f"{key}: file {have.get(key)!r}, model {value!r}"
-            for key, value in model_fingerprint(model).items() if have.get(key) != value]
-    if diff:
-        raise ValueError(f"calibration file for another model ({'; '.join(diff)}): calibrate "
-                         "this model with `sparsejax calibrate`")
-
-
-def load_calibration(path, kind: str, model: Model | None = None) -> dict:
-    """Read a calibration file of method `kind` ("delta" | "kascade"); with `model`, also
-    check that it was made for this model (`check_calibration`)."""
-    if kind not in METHODS:
-        raise ValueError(f"kind={kind!r}: expected one of {METHODS}")
-    try:
-        calib = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"calibration file {path} is not JSON: {e}") from None
-    if not isinstance(calib, dict) or calib.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a sparsejax calibration file (format {FORMAT!r})")
-    if calib.get("method") != kind:
-        raise ValueError(f"calibration file {path} is for method {calib.get('method')!r}: "
-                         f"expected {kind!r}")
-    if model is not None:
-        try:
-            check_calibration(calib, model)
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-    return calib
-
-
 # ---- plots ----------------------------------------------------------------------------------
 def plot_shift(shift, layers, path, *, dense_layers=(), title: str = "") -> None:
     """The shift curve (x = layer l, the right member of the pair (l-1, l)), Δ-layers marked,
@@ -498,7 +378,7 @@ def add_parser(sub) -> None:
                        "head map for a model; writes a calibration JSON (--out) for "
                        "methods.DELTA/Kascade.from_calibration and `--calibration`.")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
-    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--method", required=True, choices=CALIBRATED_METHODS)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompts", default=None, help="text file, one prompt per line, "
                         "tokenized with the model's tokenizer")
@@ -594,8 +474,7 @@ def run(args) -> int:
 
 
 __all__ = [
-    "add_parser", "anchor_of", "attention_shift", "check_calibration", "head_mapping",
-    "kascade_similarity", "layer_similarity", "load_calibration", "model_fingerprint",
-    "plot_layer_similarity", "plot_shift", "save_calibration", "select_anchor_layers",
+    "add_parser", "anchor_of", "attention_shift", "head_mapping", "kascade_similarity",
+    "layer_similarity", "plot_layer_similarity", "plot_shift", "select_anchor_layers",
     "suggest_delta_layers",
 ]

@@ -1,0 +1,85 @@
+"""Dependencies point one way: the runtime (sparsejax's decode path, its models and kernels, and
+the file reader `artifacts`) never imports the jobs that fit or measure things, nor their
+heavy libraries."""
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# the jobs: calibration, gate training, pretraining, eval, demo, the command line
+JOBS = ("sparsejax.__main__", "sparsejax.cli", "sparsejax.eval", "sparsejax.demo",
+        "sparsejax.train.calibrate", "sparsejax.train.gates", "sparsejax.train.pretrain",
+        "sparsejax.train.passkey")
+HEAVY = ("optax", "orbax", "matplotlib")
+# folder -> import name of the runtime's files
+RUNTIME = {"sparsejax": "sparsejax", "models": "sparsejax.models",
+           "pallas_kernels": "sparsejax.pallas_kernels"}
+JOB_FILES = {"__main__.py", "cli.py", "eval.py", "demo.py"}
+
+
+def _is_job(name: str) -> bool:
+    return any(name == job or name.startswith(job + ".") for job in JOBS)
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every module `path` imports, at any depth of its code, as absolute names."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return names
+
+
+def runtime_files():
+    for folder, package in RUNTIME.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if folder != "sparsejax" or path.name not in JOB_FILES:
+                yield path, package
+
+
+def test_static_check_finds_a_job_import(tmp_path):
+    """Negative control: the check sees imports inside functions and relative imports."""
+    src = tmp_path / "bad.py"
+    src.write_text("def f():\n    from .train import gates\n    import sparsejax.eval\n")
+    found = {n for n in _imports(src, "sparsejax") if _is_job(n)}
+    assert found == {"sparsejax.train.gates", "sparsejax.eval"}
+
+
+def test_no_runtime_module_imports_a_job():
+    files = list(runtime_files())
+    assert {p.name for p, _ in files} >= {"artifacts.py", "methods.py", "generate.py",
+                                          "stack.py", "decoder.py", "sparse_attention.py"}
+    bad = {f"{p.relative_to(ROOT)}: {n}" for p, pkg in files for n in _imports(p, pkg)
+           if _is_job(n)}
+    assert not bad
+
+
+@pytest.mark.parametrize("module", ["sparsejax", "sparsejax.methods", "sparsejax.generate"])
+def test_importing_the_runtime_loads_no_job(module):
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    assert module in loaded and "jax" in loaded      # it did import the runtime
+    assert not [m for m in loaded if _is_job(m) or m.split(".")[0] in HEAVY]
+
+
+def test_training_data_loads_no_optimizer():
+    code = ("import json, sys; from sparsejax.train import data; "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    loaded = json.loads(out.stdout.splitlines()[-1])
+    assert "sparsejax.train.data" in loaded
+    assert not [m for m in loaded if _is_job(m) or m.split(".")[0] in HEAVY]
