@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,18 @@ class ModelConfig:
         return dict(self.rope_scaling[1])
 
     def check_context(self, num_tokens: int) -> None:
-        """Refuse contexts this decoder would get silently wrong (Mistral's sliding window)."""
+        """Refuse contexts this decoder would get silently wrong (Mistral's sliding window);
+        warn past max_position_embeddings: every RoPE type here is defined at any position, but
+        the model never saw those positions in training."""
         if self.sliding_window is not None and num_tokens > self.sliding_window:
             raise ValueError(
                 f"{self.model_type} uses sliding_window={self.sliding_window}, smaller than the "
                 f"requested length {num_tokens}; sliding-window attention is not implemented, "
                 f"so keep prompt + new tokens ≤ {self.sliding_window}")
+        if num_tokens > self.max_position_embeddings:
+            warnings.warn(f"{num_tokens} tokens (prompt + new tokens) exceed the model's "
+                          f"max_position_embeddings={self.max_position_embeddings}; positions "
+                          "past it were never trained and the output may degrade", stacklevel=3)
 
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod

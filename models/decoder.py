@@ -212,6 +212,27 @@ def attention_projection(config: ModelConfig, lp: Params, attn: jax.Array) -> ja
     return out + lp["bo"] if config.o_bias else out
 
 
+def token_ids(ids, vocab_size: int, name: str = "input_ids") -> jax.Array:
+    """`ids` as int32, refused unless they are integers in [0, vocab_size).
+
+    The range is checked only where the ids are concrete. Traced ids (inside a jit) are taken
+    as they are: an id >= vocab_size then embeds as NaN and a negative one wraps around.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise ValueError(f"{name} has dtype {ids.dtype}: expected integer token ids")
+        return ids.astype(jnp.int32)
+    host = np.asarray(ids)
+    if host.size and not np.issubdtype(host.dtype, np.integer):
+        raise ValueError(f"{name} has dtype {host.dtype} (e.g. {host.flat[0]!r}): expected "
+                         "integer token ids")
+    bad = host[(host < 0) | (host >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"{name} holds ids {np.unique(bad)[:8].tolist()} outside the "
+                         f"vocabulary [0, {vocab_size})")
+    return jnp.asarray(host, jnp.int32)
+
+
 def embed(model: Model, tokens: jax.Array) -> jax.Array:
     return jnp.take(model.params["embed"], tokens, axis=0)
 
@@ -279,8 +300,10 @@ def forward(model: Model, input_ids: jax.Array, lengths: jax.Array | None = None
 
 
 def logits(model: Model, input_ids: jax.Array) -> jax.Array:
-    """Dense full-sequence forward -> float32 logits [B, T, vocab]."""
-    input_ids = jnp.asarray(input_ids, jnp.int32)
+    """Dense full-sequence forward -> float32 logits [B, T, vocab].
+
+    Concrete `input_ids` must be integer ids in [0, vocab) (see `token_ids`)."""
+    input_ids = token_ids(input_ids, model.config.vocab_size)
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq]")
     model.config.check_context(input_ids.shape[1])

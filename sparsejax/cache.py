@@ -7,6 +7,8 @@ offsets a page to its layer in the flattened cache.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import flax.struct
@@ -58,9 +60,23 @@ def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int =
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
     max_pages = -(-capacity // page_size)
     shape = (config.num_layers, batch * max_pages, config.num_kv_heads, page_size, config.head_dim)
+    need, free = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize, memory_available()
+    if need > free:
+        raise ValueError(f"a KV cache of {batch} rows × {capacity} tokens needs "
+                         f"{need / 2**30:.1f} GiB; the devices have room for {free / 2**30:.1f} GiB: "
+                         "lower the batch, the prompt length or max_new_tokens")
     page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def memory_available() -> int:
+    """Bytes the local devices have free (their allocators' limit less what is in use), or the
+    host's physical memory where they report none (CPU)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    if all("bytes_limit" in s for s in stats):
+        return sum(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_capacity(cache: PagedKVCache, num_tokens: int, what: str) -> None:

@@ -6,13 +6,15 @@ method (a `SparsePlan`) is a static argument: one compile per (plan, shapes).
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsejax import cache as kv
-from sparsejax.models import Model, embed, forward, unembed
+from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.stack import decode_layers, prefill_state
 
@@ -34,8 +36,11 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
             plan: SparsePlan):
     """Dense forward over right-padded prompts; writes the pages, computes method state.
 
-    Returns (logits [B, vocab] f32 at each row's last prompt token, cache).
+    Returns (logits [B, vocab] f32 at each row's last prompt token, cache). Concrete ids and
+    lengths are checked (see `generate`).
     """
+    input_ids = token_ids(input_ids, model.config.vocab_size)
+    lengths = prompt_lengths(lengths, *input_ids.shape)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
     out = forward(model, input_ids, lengths)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
@@ -50,7 +55,7 @@ def decode_step(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: S
 
     Returns (logits [B, vocab] f32, cache[, per-layer diagnostics]).
     """
-    h = embed(model, tokens)
+    h = embed(model, token_ids(tokens, model.config.vocab_size, "tokens"))
     h, cache, diag = decode_layers(model, cache, h, plan, diagnostics)
     cache = cache.replace(lengths=cache.lengths + 1)
     logits = unembed(model, h)
@@ -89,6 +94,11 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     emits an EOS token stops; its remaining tokens are EOS. The page size defaults to 16, or
     to the method's own when it selects pages. With `return_diagnostics`, also returns per
     decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
+
+    Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
+    a ValueError names the values that are not. Traced ones (generate called inside a jit)
+    cannot be inspected: there an id >= vocab embeds as NaN, a negative one wraps around, and
+    a length outside [1, T] reads padding.
     """
     args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -116,23 +126,15 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
              page_size=None, return_diagnostics: bool = False):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
-    input_ids = jnp.asarray(input_ids, jnp.int32)
+    input_ids = token_ids(input_ids, model.config.vocab_size)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq >= 1]")
     B, T = input_ids.shape
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if lengths.shape != (B,):
-        raise ValueError(f"lengths has shape {lengths.shape}: expected ({B},)")
-    if not isinstance(lengths, jax.core.Tracer):
-        lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
-        if lo < 1 or hi > T:
-            raise ValueError(f"lengths range over [{lo}, {hi}]: expected 1 <= length <= {T}")
+    lengths = prompt_lengths(lengths, B, T)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}: expected >= 0")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature}: expected a finite value >= 0")
     if top_k is not None and not (isinstance(top_k, int) and 1 <= top_k <= model.config.vocab_size):
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {model.config.vocab_size}]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -148,6 +150,23 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics))
     return (model, input_ids, lengths, rng), static
+
+
+def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
+    """lengths [batch] as int32 (None: every row `width` long), refused unless integers in
+    [1, width]; the range is checked only where they are concrete."""
+    if lengths is None:
+        return jnp.full((batch,), width, jnp.int32)
+    host = None if isinstance(lengths, jax.core.Tracer) else np.asarray(lengths)
+    dtype = lengths.dtype if host is None else host.dtype
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"lengths has dtype {dtype}: expected integers")
+    if jnp.shape(lengths) != (batch,):
+        raise ValueError(f"lengths has shape {jnp.shape(lengths)}: expected ({batch},)")
+    if host is not None and (host.min() < 1 or host.max() > width):
+        raise ValueError(f"lengths range over [{host.min()}, {host.max()}]: expected "
+                         f"1 <= length <= {width}")
+    return jnp.asarray(lengths, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sparsejax import artifacts
+from sparsejax.cache import check_page_size
 from sparsejax.models import ModelConfig
 from sparsejax.plan import Budget, Residual, Role, Selector, SparsePlan
 
@@ -75,12 +76,15 @@ def _page_size(method: str, fixed: int | None, requested: int | None) -> int:
     if fixed is not None and requested is not None and requested != fixed:
         raise ValueError(f"{method} selects pages of {fixed} tokens; page_size={requested} "
                          "disagrees (leave page_size unset or make them equal)")
-    return fixed or requested or DEFAULT_PAGE_SIZE
+    if fixed is not None:
+        return fixed
+    return DEFAULT_PAGE_SIZE if requested is None else requested
 
 
 def _positive(name: str, value) -> None:
-    if value is None or value <= 0:
-        raise ValueError(f"{name}={value!r}: expected > 0")
+    if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
+            or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{name}={value!r}: expected a finite number > 0")
 
 
 def _scale_layers(layers, num_layers: int, reference: int = 28) -> tuple[int, ...]:
@@ -177,6 +181,7 @@ class Quest:
     dense_layers: int = 2
 
     def __post_init__(self):
+        check_page_size(self.page_size)
         _positive("Quest token_budget", self.token_budget)
         if self.dense_layers < 0:
             raise ValueError(f"Quest dense_layers={self.dense_layers}: expected >= 0")
@@ -225,6 +230,7 @@ class DELTA:
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
+        check_page_size(self.page_size)
         _positive("DELTA budget_pages", self.budget_pages)
         if not 0 <= self.recent_pages <= self.budget_pages:
             raise ValueError(f"DELTA recent_pages={self.recent_pages}: expected 0 <= recent_pages "
@@ -332,6 +338,10 @@ class Lychee:
         if mask.ndim != 2:
             raise ValueError(f"Lychee retrieval_heads has shape {mask.shape}: expected "
                              "[layers, kv_heads]")
+        if not (mask.dtype == bool or (np.issubdtype(mask.dtype, np.integer)
+                                       and np.isin(mask, (0, 1)).all())):
+            raise ValueError(f"Lychee retrieval_heads has dtype {mask.dtype}, values "
+                             f"{np.unique(mask)[:8].tolist()}: expected booleans or integers 0/1")
         object.__setattr__(self, "retrieval_heads", tuple(tuple(bool(x) for x in r) for r in mask))
         object.__setattr__(self, "gates", None)
         if not isinstance(self.budget, Budget):
@@ -368,6 +378,7 @@ class RESA:
     def __post_init__(self):
         if isinstance(self.base, (RESA, Dense)) or not hasattr(self.base, "to_plan"):
             raise ValueError(f"RESA base={self.base!r}: expected a sparse method to wrap")
+        Residual(float(self.lam), self.fold_decode_tokens)   # checks lam now, not at plan time
 
     def to_plan(self, config, page_size=None):
         plan = self.base.to_plan(config, page_size)

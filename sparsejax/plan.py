@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any, Protocol
 
 import flax.struct
@@ -50,14 +51,17 @@ class Budget:
         kinds = ("fixed", "ratio", "top_p", "threshold")
         if self.kind not in kinds:
             raise ValueError(f"budget kind={self.kind!r}: expected one of {kinds}")
-        if not self.value > 0:
-            raise ValueError(f"budget {self.kind}={self.value}: expected a value > 0")
-        if self.kind in ("ratio", "top_p") and self.value > 1:
+        if not (math.isfinite(self.value) and self.value > 0):
+            raise ValueError(f"budget {self.kind}={self.value}: expected a finite value > 0")
+        if self.kind in ("ratio", "top_p", "threshold") and self.value > 1:
             raise ValueError(f"budget {self.kind}={self.value}: expected a value in (0, 1]")
         if self.kind == "fixed" and int(self.value) != self.value:
             raise ValueError(f"budget fixed={self.value}: expected a whole number of units")
         if self.minimum < 0:
             raise ValueError(f"budget minimum={self.minimum}: expected >= 0")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"budget limit={self.limit}: expected None (the whole context) or "
+                             ">= 1 unit")
 
     def buffer_size(self, max_units: int) -> int:
         """The static number of slots a selection needs for contexts up to `max_units`."""
@@ -66,7 +70,7 @@ class Budget:
         if self.kind == "ratio":
             k = max(-(-int(self.value * max_units * 1e6) // 1_000_000), self.minimum)
             return max(1, min(k, max_units))
-        return max(1, min(self.limit or max_units, max_units))
+        return max(1, min(max_units if self.limit is None else self.limit, max_units))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +120,8 @@ class Residual:
     fold_decode_tokens: bool = False
 
     def __post_init__(self):
-        if self.lam < 0:
-            raise ValueError(f"RESA lam={self.lam}: expected >= 0")
+        if not (math.isfinite(self.lam) and self.lam >= 0):
+            raise ValueError(f"RESA lam={self.lam}: expected a finite value >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +186,8 @@ class Method(Protocol):
 
 
 def dense_plan(config: ModelConfig, page_size: int | None = None) -> SparsePlan:
-    return SparsePlan("dense", (Role.DENSE,) * config.num_layers, page_size or 16)
+    return SparsePlan("dense", (Role.DENSE,) * config.num_layers,
+                      16 if page_size is None else page_size)
 
 
 def as_plan(method: Any, config: ModelConfig, page_size: int | None) -> SparsePlan:
