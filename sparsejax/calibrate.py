@@ -494,7 +494,7 @@ def add_parser(sub) -> None:
     p.add_argument("--method", required=True, choices=METHODS, help="what to calibrate")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompts", default=None, help="text file, one prompt per line, "
-                        "tokenized with the model's tokenizer")
+                        "tokenized with the model's tokenizer (default: --task)")
     source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
                         f"tasks, in turn (default: all of {','.join(TASKS)})")
     p.add_argument("--samples", type=positive_int, default=16, help="prompts (the first N "

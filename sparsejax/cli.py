@@ -100,17 +100,25 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                        "shipped calibration or the scaled defaults)")
 
 
+def method_options(args) -> dict:
+    """{flag: value} of the method options given; ValueError for one --method does not take."""
+    given = {}
+    for flag, (option, names) in _registry_options().items():
+        value = getattr(args, option.flag[2:].replace("-", "_"))
+        if value is not None and args.method not in names:
+            raise ValueError(f"{flag} applies to --method {' / '.join(names)}, not "
+                             f"--method {args.method}")
+        if value is not None:
+            given[flag] = value
+    return given
+
+
 def method_from_args(args, model, context: int, model_dir=None):
     """The method `args` name, at its budget of a `context`-token prompt, for this model."""
     from sparsejax import methods as M
 
     spec = M.REGISTRY[args.method]
-    given = {flag: value for flag, (option, _) in _registry_options().items()
-             if (value := getattr(args, option.flag[2:].replace("-", "_"))) is not None}
-    for flag, (_, names) in _registry_options().items():
-        if flag in given and args.method not in names:
-            raise ValueError(f"{flag} applies to --method {' / '.join(names)}, not "
-                             f"--method {args.method}")
+    given = method_options(args)
     try:
         fitted = M.fitted_beside(model_dir, model, calibrated=not args.no_calibration)
     except ValueError as e:
@@ -127,8 +135,8 @@ def method_from_args(args, model, context: int, model_dir=None):
     try:
         method.to_plan(model.config)
     except ValueError as e:
-        raise ValueError(f"{e}; without {', '.join(given) or 'options'} --method {args.method} "
-                         f"takes layer choices made for this model") from None
+        raise ValueError(f"{e} (leave out {', '.join(given) or 'the method options'} to run "
+                         "the layer choices made for this model)") from None
     return method
 
 
@@ -140,6 +148,7 @@ def cmd_generate(args) -> int:
     import sparsejax
     from sparsejax.eval import speed_note
 
+    method_options(args)                      # before loading anything
     model_dir = args.model or sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype={"bf16": jnp.bfloat16,
                                                         "f32": jnp.float32}[args.dtype])

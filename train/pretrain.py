@@ -740,9 +740,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="export directory (HF checkpoint + logs)")
     p.add_argument("--minutes", type=float, default=None,
                    help="training time, compile excluded (plans the step counts; "
-                   "give this or --steps)")
+                   "default: --steps)")
     p.add_argument("--steps", type=positive_int, default=None,
-                   help="training steps (give this or --minutes)")
+                   help="training steps (default: planned from --minutes; one is needed)")
     p.add_argument("--size", choices=tuple(_STAGES), default="default",
                    help="model and curriculum size")
     p.add_argument("--batch", type=positive_int, default=None,
