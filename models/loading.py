@@ -6,6 +6,7 @@ The same table writes a checkpoint back (`save_pretrained`), so exports load in 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -126,20 +127,49 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> Pa
     return params
 
 
-def from_pretrained(path: str | Path, *, dtype=jnp.bfloat16) -> Model:
-    """Load a Hugging Face checkpoint directory (config.json + safetensors) into a `Model`."""
-    path = Path(path)
+# what a checkpoint download needs: config, generation config, weights, tokenizer
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]
+
+
+def checkpoint_dir(path_or_id: str | Path) -> Path:
+    """A local checkpoint directory, or a Hub id ("org/name") resolved through the Hugging Face
+    cache (`huggingface_hub.snapshot_download`: downloads what is missing unless HF_HUB_OFFLINE
+    is set, then reads the cache only)."""
+    path = Path(path_or_id)
+    if path.is_dir() or path.is_absolute() or str(path_or_id).startswith((".", "~")):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path_or_id), allow_patterns=_HUB_FILES))
+    except Exception as e:  # the Hub's errors (offline, unknown repo, gated) have no common base
+        raise ValueError(f"{path_or_id!r} is no local directory, and as a Hugging Face Hub id it "
+                         f"could not be loaded: {type(e).__name__}: {e}") from None
+
+
+def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16) -> Model:
+    """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
+    a `Model`. The EOS of `generation_config.json`, when there is one, overrides config.json's,
+    as in transformers' `generate`."""
+    path = checkpoint_dir(path_or_id)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(path / "config.json")
+    generation = path / "generation_config.json"
+    if generation.exists():
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        if eos is not None:
+            config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
+                                         else eos)
     return Model(config=config, params=load_params(path, config, dtype))
 
 
-def load_tokenizer(path: str | Path):
-    """The checkpoint's tokenizer through transformers' AutoTokenizer (local files only)."""
+def load_tokenizer(path_or_id: str | Path):
+    """The checkpoint's tokenizer through transformers' AutoTokenizer (a directory, or a Hub id
+    through the local cache as `from_pretrained` resolves it)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(checkpoint_dir(path_or_id)), local_files_only=True)
 
 
 # ---- writing --------------------------------------------------------------------------------

@@ -12,13 +12,21 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-# jax 0.11 marks the Triton backend of Pallas as deprecated in favour of Mosaic GPU. We use
-# Triton on purpose (it has an interpret mode on CPU and lowers paged gathers); silence the
-# warning here, once, rather than at every call site.
-warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
 
-from jax.experimental import pallas as pl  # noqa: E402
-from jax.experimental.pallas import triton as plgpu  # noqa: E402
+
+@contextlib.contextmanager
+def _triton_on_purpose():
+    """jax 0.11 marks the Triton backend of Pallas as deprecated in favour of Mosaic GPU. We use
+    Triton on purpose (it has an interpret mode on CPU and lowers paged gathers): silence that
+    warning where Triton is imported and called, leaving the global filters as they are."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*[Tt]riton.*")
+        yield
+
+
+with _triton_on_purpose():
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
 Backend = Literal["auto", "pallas", "reference"]
 BACKENDS = ("auto", "pallas", "reference")
@@ -91,12 +99,21 @@ def resolve_interpret(interpret: bool | None) -> bool:
 
 def triton_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     """Explicit Triton compiler params: without them jax 0.10/0.11 routes to Mosaic GPU."""
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    with _triton_on_purpose():
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def pallas_call(kernel, *, compiler_params, interpret: bool, **kwargs):
     """`pl.pallas_call` with the Triton params attached (interpret mode ignores them)."""
-    return pl.pallas_call(kernel, compiler_params=compiler_params, interpret=interpret, **kwargs)
+    with _triton_on_purpose():
+        call = pl.pallas_call(kernel, compiler_params=compiler_params, interpret=interpret,
+                              **kwargs)
+
+    def run(*args):
+        with _triton_on_purpose():
+            return call(*args)
+
+    return run
 
 
 def next_power_of_2(n: int) -> int:

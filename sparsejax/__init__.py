@@ -1,8 +1,9 @@
 """sparsejax: sparse long-context decoding in JAX over a paged KV cache.
 
-    model = sparsejax.from_pretrained("path/to/hf-checkpoint")
+    model = sparsejax.from_pretrained("path/to/hf-checkpoint")      # or a Hub id
     out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=64,
                              method=sparsejax.methods.DELTA())
+    sparsejax.LLM("path/to/hf-checkpoint", method="delta").generate(["..."])   # text to text
 """
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from sparsejax import methods
 from sparsejax.cache import PagedKVCache, allocate
 from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
                                 prefill, sample)
+from sparsejax.llm import LLM
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Selection, Selector, SparsePlan
 
@@ -26,7 +28,7 @@ def embedded_model_path() -> Path:
 
 
 __all__ = [
-    "Budget", "GenerateOutput", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
+    "Budget", "GenerateOutput", "LLM", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
     "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step", "embedded_model_path",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
     "save_pretrained",

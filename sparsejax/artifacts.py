@@ -11,13 +11,13 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import re
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 
+from sparsejax.files import write_text_atomic
 from sparsejax.models import layer_params, split_layer
 
 CALIBRATION_FORMAT = "sparsejax-calibration"
@@ -159,7 +159,7 @@ def save_calibration(path, model, *, method: str, layers, curves: dict, settings
                   json.dumps(doc, indent=1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    write_text_atomic(path, text + "\n")
     return doc
 
 
@@ -191,11 +191,8 @@ def save_gates(path, record: dict) -> Path:
     whatever else the trainer records."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = {"format": GATES_FORMAT, **record}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps({"format": GATES_FORMAT, **record}, indent=1)
+                             + "\n")
 
 
 def load_gates(path, *, threshold: float = 0.5) -> tuple[np.ndarray, Origin]:

@@ -1,92 +1,143 @@
-"""Command line: `sparsejax <command>` (also `python -m sparsejax`).
-
-  generate     complete a prompt with any method, print tokens/s
-  demo         the main job on the embedded default model (`make demo`)
-  eval         task accuracy / recall / error per method (synthetic long-context tasks)
-  pretrain     train a small retrieval model from scratch
-  train-gates  train LycheeDecode's HardKuma head gates
-  calibrate    DELTA layer-shift probe / Kascade anchor DP
-"""
+"""Command line: `sparsejax COMMAND` (also `python -m sparsejax`); `sparsejax COMMAND --help`
+lists a command's options with their defaults."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
+import math
 import sys
 import time
 
 
-def _method_from_args(args, model):
-    """Build the method named by --method with its options (and --resa) for this model."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help; an option defaulting to None says in its own help
+    what it falls back to."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# ---- argument types: a bad value is an argparse error naming the flag ------------------------
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
+    return value
+
+
+def ratio(text: str) -> float:
+    value = nonnegative_float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a share of the context in (0, 1]")
+    return value
+
+
+def ratio_list(text: str) -> list[float]:
+    """'0.1,0.25' -> [0.1, 0.25]."""
+    return [ratio(t) for t in _items(text)]
+
+
+def token_list(text: str) -> list[int]:
+    """'128,512' -> [128, 512]."""
+    return [positive_int(t) for t in _items(text)]
+
+
+def _items(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated values")
+    return items
+
+
+# ---- generate -------------------------------------------------------------------------------
+def _registry_options():
+    """flag -> (Option, the methods that take it), over `methods.REGISTRY`."""
     from sparsejax import methods as M
 
-    config = model.config
-    name = args.method
-    if name == "dense":
-        method = M.Dense()
-    elif name == "oracle":
-        method = M.OracleTopK(k=args.budget) if args.budget else M.OracleTopK(ratio=args.ratio)
-    elif name == "streaming":
-        method = M.StreamingLLM(sinks=args.sinks if args.sinks is not None else 4,
-                                window=args.window)
-    elif name == "quest":
-        method = M.Quest(token_budget=args.budget or 1024)
-    elif name == "tidal":
-        kw = {"select_layers": tuple(args.layers)} if args.layers else {}
-        method = M.TidalDecode(k=args.budget or 4096, **kw)
-    elif name == "delta":
-        kw = {"delta_layers": tuple(args.layers)} if args.layers else {}
-        if args.calibration:
-            method = M.DELTA.from_calibration(args.calibration, model, budget_pages=args.budget_pages,
-                                              recent_pages=args.recent_pages)
-        else:
-            method = M.DELTA(budget_pages=args.budget_pages, recent_pages=args.recent_pages, **kw)
-    elif name == "kascade":
-        if args.calibration:
-            method = M.Kascade.from_calibration(args.calibration, model, ratio=args.ratio)
-        else:
-            kw = {"anchor_layers": tuple(args.layers)} if args.layers else {}
-            method = M.Kascade(ratio=args.ratio, **kw)
-    elif name == "lychee":
-        if args.gates:
-            heads = args.gates
-        else:
-            heads = M.random_retrieval_heads(config, args.retrieval_heads)
-        budget = M.TopK(args.budget) if args.budget else M.Ratio(args.ratio)
-        method = M.Lychee(heads, budget=budget, block=args.block,
-                          sinks=args.sinks if args.sinks is not None else 128,
-                          recent=args.recent if args.recent is not None else 256)
-    else:  # argparse restricts the choices
-        raise ValueError(f"--method {name!r}")
-    if args.layers is None and hasattr(method, "scaled_to") and args.scale_layers:
-        method = method.scaled_to(config.num_layers)
-    if args.resa is not None:
-        method = M.RESA(method, lam=args.resa)
-    return method
+    options: dict = {}
+    for name, spec in M.REGISTRY.items():
+        for option in spec.options:
+            options.setdefault(option.flag, (option, []))[1].append(name)
+    return options
 
 
 def add_method_args(p: argparse.ArgumentParser) -> None:
+    """--method, the budget, --resa, --no-calibration and every registered method's options."""
+    from sparsejax import methods as M
+
     g = p.add_argument_group("method")
-    g.add_argument("--method", default="dense",
-                   choices=["dense", "delta", "kascade", "lychee", "quest", "tidal", "streaming",
-                            "oracle"])
-    g.add_argument("--budget", type=int, default=None, help="token budget (quest, tidal, oracle, "
-                   "lychee TopK)")
-    g.add_argument("--ratio", type=float, default=0.1, help="budget ratio (kascade, oracle, lychee)")
-    g.add_argument("--layers", type=int, nargs="+", default=None,
-                   help="Δ-layers (delta), anchor layers (kascade) or selection layers (tidal)")
-    g.add_argument("--scale-layers", action="store_true",
-                   help="scale the papers' default layer choices to this model's depth")
-    g.add_argument("--budget-pages", type=int, default=64)
-    g.add_argument("--recent-pages", type=int, default=8)
-    g.add_argument("--window", type=int, default=1024)
-    g.add_argument("--sinks", type=int, default=None)
-    g.add_argument("--recent", type=int, default=None)
-    g.add_argument("--block", type=int, default=1, help="lychee selection block (tokens)")
-    g.add_argument("--gates", default=None, help="lychee gate checkpoint / TSV / a.pt dir")
-    g.add_argument("--retrieval-heads", type=int, default=4,
-                   help="lychee without --gates: this many random retrieval heads")
-    g.add_argument("--calibration", default=None, help="calibration JSON (delta, kascade)")
-    g.add_argument("--resa", type=float, default=None, metavar="LAMBDA",
-                   help="wrap the method in RESA with this λ")
+    g.add_argument("--method", default="dense", choices=list(M.REGISTRY),
+                   help="; ".join(f"{n}: {s.summary}" for n, s in M.REGISTRY.items()))
+    budget = g.add_mutually_exclusive_group()
+    budget.add_argument("--budget-ratio", type=ratio, default=0.1,
+                        help="tokens attended to, as a share of the prompt")
+    budget.add_argument("--budget-tokens", type=positive_int, default=None,
+                        help="tokens attended to (default: --budget-ratio)")
+    g.add_argument("--resa", type=nonnegative_float, default=None, metavar="LAMBDA",
+                   help="wrap the method in RESA with this λ (default: no RESA)")
+    g.add_argument("--no-calibration", action="store_true",
+                   help="ignore the gates and calibration shipped beside the model: the "
+                   "papers' layer choices scaled to its depth, random Lychee heads")
+    for flag, (option, names) in _registry_options().items():
+        g.add_argument(flag, type=option.type, nargs=option.nargs, default=None,
+                       help=f"{', '.join(names)}: {option.help} (default: from the budget, the "
+                       "shipped calibration or the scaled defaults)")
+
+
+def method_options(args) -> dict:
+    """{flag: value} of the method options given; ValueError for one --method does not take."""
+    given = {}
+    for flag, (option, names) in _registry_options().items():
+        value = getattr(args, option.flag[2:].replace("-", "_"))
+        if value is not None and args.method not in names:
+            raise ValueError(f"{flag} applies to --method {' / '.join(names)}, not "
+                             f"--method {args.method}")
+        if value is not None:
+            given[flag] = value
+    return given
+
+
+def method_from_args(args, model, context: int, model_dir=None):
+    """The method `args` name, at its budget of a `context`-token prompt, for this model."""
+    from sparsejax import methods as M
+
+    spec = M.REGISTRY[args.method]
+    given = method_options(args)
+    try:
+        fitted = M.fitted_beside(model_dir, model, calibrated=not args.no_calibration)
+    except ValueError as e:
+        raise ValueError(f"{e} (--no-calibration runs without the shipped files)") from None
+    tokens = args.budget_tokens or max(1, math.ceil(args.budget_ratio * context))
+    share = min(1.0, tokens / context) if args.budget_tokens else args.budget_ratio
+    method = spec.at_budget(model.config, tokens, share, fitted)
+    overrides = {o.field: given[o.flag] for o in spec.options if o.flag in given}
+    if overrides:
+        method = dataclasses.replace(method, **{
+            k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()})
+    if args.resa is not None:
+        method = M.RESA(method, lam=args.resa)
+    try:
+        method.to_plan(model.config)
+    except ValueError as e:
+        raise ValueError(f"{e} (leave out {', '.join(given) or 'the method options'} to run "
+                         "the layer choices made for this model)") from None
+    return method
 
 
 def cmd_generate(args) -> int:
@@ -95,56 +146,87 @@ def cmd_generate(args) -> int:
     import numpy as np
 
     import sparsejax
+    from sparsejax.eval import speed_note
 
-    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[args.dtype]
-    model = sparsejax.from_pretrained(args.model, dtype=dtype)
-    tok = sparsejax.load_tokenizer(args.model)
-    ids = tok(args.prompt)["input_ids"]
-    method = _method_from_args(args, model)
-    eos = tok.eos_token_id if tok.eos_token_id is not None else model.config.eos_token_id
+    method_options(args)                      # before loading anything
+    model_dir = args.model or sparsejax.embedded_model_path()
+    model = sparsejax.from_pretrained(model_dir, dtype={"bf16": jnp.bfloat16,
+                                                        "f32": jnp.float32}[args.dtype])
+    tok = sparsejax.load_tokenizer(model_dir)
+    ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
+    method = method_from_args(args, model, ids.shape[1], model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, eos_token_id=eos,
-              rng=jax.random.key(args.seed))
-    batch = np.asarray([ids], np.int32)
-    out = sparsejax.generate(model, batch, **kw)   # compile
-    jax.block_until_ready(out)
+              top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed))
+    jax.block_until_ready(sparsejax.generate(model, ids, **kw).tokens)     # compile, warm up
     t0 = time.perf_counter()
-    out = sparsejax.generate(model, batch, **kw)
+    out = sparsejax.generate(model, ids, **kw)
     jax.block_until_ready(out.tokens)
-    dt = time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
     n = int(out.num_generated[0])
     print(tok.decode(np.asarray(out.tokens[0, :n]), skip_special_tokens=True))
-    print(f"[{n} tokens in {dt:.3f} s: {n / dt:.1f} tokens/s; method {method!r}; "
-          f"prompt {len(ids)} tokens; {jax.default_backend()}]", file=sys.stderr)
+    print(f"[{n} tokens in {seconds:.3f} s: {n / seconds:.1f} tokens/s; method {method!r}; "
+          f"prompt {ids.shape[1]} tokens; {jax.default_backend()}]", file=sys.stderr)
+    if speed_note():
+        print(speed_note(), file=sys.stderr)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("generate", help="complete a prompt")
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["bf16", "f32"], default="f32")
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="complete a prompt with any method")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or Hub id (default: the embedded model)")
+    p.add_argument("--prompt", required=True, help="the text to complete")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0,
+                   help="0 is greedy; above, sampled")
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="sample among the k most likely tokens (default: all)")
+    p.add_argument("--top-p", type=ratio, default=None,
+                   help="sample from the nucleus of this mass (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--dtype", choices=["bf16", "f32"], default="f32", help="compute dtype")
     add_method_args(p)
     p.set_defaults(func=cmd_generate)
 
+
+# ---- the program ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
     from sparsejax import demo, eval as evaluation
     from sparsejax.train import calibrate, gates, pretrain
-    demo.add_parser(sub)
-    evaluation.add_parser(sub)
-    pretrain.add_parser(sub)
-    gates.add_parser(sub)
-    calibrate.add_parser(sub)
 
-    args = parser.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__,
+                                     formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
+    add_generate_parser(sub)
+    for module in (demo, evaluation, calibrate, gates, pretrain):
+        module.add_parser(sub)
+    for command in sub.choices.values():
+        command.formatter_class = HelpFormatter
+    return parser
+
+
+class _StderrHandler(logging.Handler):
+    """The `sparsejax` logger's records on whatever sys.stderr is at the time."""
+
+    def emit(self, record):
+        print(self.format(record), file=sys.stderr, flush=True)
+
+
+_LOG_HANDLER = _StderrHandler()
+
+
+def main(argv=None) -> int:
+    """Run a command; returns its exit status (2 for a usage or input error)."""
+    log = logging.getLogger("sparsejax")
+    if _LOG_HANDLER not in log.handlers:     # progress on stderr; results stay on stdout
+        log.addHandler(_LOG_HANDLER)
+        log.setLevel(logging.INFO)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:        # argparse has printed the usage error (or the help)
+        return e.code
     try:
         return args.func(args)
     except ValueError as e:

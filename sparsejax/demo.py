@@ -1,29 +1,35 @@
 """`sparsejax demo` (behind `make demo`): every method on the embedded default model.
 
 Loads the small retrieval model shipped with the package (`sparsejax.embedded_model_path()`,
-trained by `sparsejax pretrain`), runs a small eval of every method at one budget on the
-synthetic retrieval tasks it was trained on, prints a table (method, budget, accuracy, recall,
-attention error, tokens/s) and writes a plot. `sparsejax eval` is the full harness.
+trained by `sparsejax pretrain`), runs a small eval of every registered method and RESA on
+DELTA at one budget on the synthetic retrieval tasks it was trained on, prints a table (method,
+budget, accuracy, recall, attention error, tokens/s) and writes a plot. `sparsejax eval` is the
+full harness.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 
-# every method once, and RESA on DELTA, the README's example (`sparsejax eval` runs them all;
-# at 4096 tokens RESA cuts DELTA's attention error the most of the four papers' methods):
-# two compiles per method, 8 prompts of 768 tokens: about 2.5 minutes on two CPU cores
-DEMO_METHODS = "dense,oracle,streaming,quest,tidal,delta,kascade,lychee,delta+resa"
+from sparsejax import methods as M
+
+# every method once, and RESA on DELTA, the README's example (at 4096 tokens RESA cuts DELTA's
+# attention error the most of the four papers' methods): 8 prompts of 768 tokens, about
+# 3 minutes on two CPU cores
+DEMO_METHODS = ",".join([*M.REGISTRY, "delta+resa"])
 
 
 def run(args) -> int:
     import sparsejax
     from sparsejax import eval as evaluation
+    from sparsejax.files import check_writable
     from sparsejax.train import data
 
+    plot = check_writable(args.plot, "--plot")
+    names = evaluation.parse_methods(args.methods)
+    ratios = evaluation.budget_ratios(args, args.context)
     path = sparsejax.embedded_model_path()
     if not (path / "config.json").exists():
         raise ValueError(f"the embedded model is missing from {path}; "
@@ -34,12 +40,12 @@ def run(args) -> int:
     vocab = sparsejax.load_tokenizer(path).get_vocab()
     print(f"sparsejax demo: {path.name} ({c.num_layers} layers, {c.num_heads}/{c.num_kv_heads} "
           f"heads, head_dim {c.head_dim}), tasks {', '.join(data.TASKS)} at {args.context} "
-          f"tokens, {args.samples} prompts each, budget {args.budget:.0%} of the context")
+          f"tokens, {args.samples} prompts each, budget {', '.join(f'{r:.0%}' for r in ratios)} "
+          "of the context")
     doc = evaluation.evaluate(
         model, tasks=data.TASKS, context=args.context, samples=args.samples,
-        method_names=evaluation.parse_methods(args.methods), ratios=[args.budget],
-        batch=args.samples * len(data.TASKS), model_dir=path, vocab=vocab,
-        progress=lambda s: print("  " + s, file=sys.stderr, flush=True))
+        method_names=names, ratios=ratios, batch=args.samples * len(data.TASKS),
+        model_dir=path, vocab=vocab, repeats=args.repeats)
     overall = [r for r in doc["results"] if r["task"] == "all"]
     print(f"\n{'method':<14} {'budget':>6} {'accuracy':>8} {'recall':>7} {'attn err':>8} "
           f"{'tokens/s':>9}  layers (D dense, S select, R reuse, H hybrid, F self-select)")
@@ -55,18 +61,29 @@ def run(args) -> int:
     print(f"\nrecall: dense attention mass inside what the sparse layers attended to; attn err: "
           f"relative L2 error of their attention output vs dense. Lychee's retrieval heads: "
           f"{doc['lychee_retrieval_heads']}; layer choices from the calibration shipped with "
-          f"the model: {', '.join(doc['calibrated']) or 'none'}. CPU timings include no compile.")
-    plot = Path(args.plot)
+          f"the model: {', '.join(doc['calibrated']) or 'none'}. tokens/s: median of "
+          f"{args.repeats} runs after a warm-up, compile excluded.")
+    if evaluation.speed_note():
+        print(evaluation.speed_note())
     evaluation.plot(doc, plot)
-    print(f"plot: {plot.resolve()}  ({time.perf_counter() - t0:.0f} s)")
+    print(f"plot: {Path(plot).resolve()}  ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="every method on the embedded default model")
-    p.add_argument("--context", type=int, default=768)
-    p.add_argument("--samples", type=int, default=2, help="prompts per task")
-    p.add_argument("--budget", type=float, default=0.1, help="budget ratio of the context")
-    p.add_argument("--methods", default=DEMO_METHODS)
-    p.add_argument("--plot", default="sparsejax-demo.png")
+    from sparsejax.cli import positive_int, ratio_list, token_list
+
+    p = sub.add_parser("demo", help="every method on the embedded default model (make demo)")
+    p.add_argument("--context", type=positive_int, default=768, help="prompt tokens")
+    p.add_argument("--samples", type=positive_int, default=2, help="prompts per task")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-ratio", type=ratio_list, default=[0.1],
+                        help="comma-separated budgets as shares of the context")
+    budget.add_argument("--budget-tokens", type=token_list, default=None,
+                        help="comma-separated budgets in tokens (default: --budget-ratio)")
+    p.add_argument("--methods", default=DEMO_METHODS,
+                   help="comma-separated method names, each optionally with +resa")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per method after a warm-up (the median is reported)")
+    p.add_argument("--plot", default="sparsejax-demo.png", help="the plot (PNG) to write")
     p.set_defaults(func=run)

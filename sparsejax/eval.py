@@ -5,22 +5,23 @@
         --budget-ratio 0.1,0.25 --json out.json --plot out.png
 
 Tasks are the synthetic long-context tasks of `sparsejax.train.data` (exact-match answers).
-Each method runs greedy `generate` twice: once with diagnostics (accuracy, and per decode step
-and layer the recall and attention-output error against dense attention), once without them
-for tokens/s (compiled ahead of time once per method, so the compile is excluded). Methods'
-layer choices are scaled to the model's depth (`methods.budget_ratio_methods`); the chosen
-layers are in the output. What was trained or calibrated for the model and ships beside it is
-used: Lychee's gates (`gates/*.json`, the first by name; random retrieval heads when there are
-none), DELTA's Δ-layers and Kascade's anchors and head map (`calibration/delta.json`,
-`calibration/kascade.json`, made by `sparsejax calibrate`; `--no-calibration` keeps the
-defaults).
+The model must speak the tasks' vocabulary (`sparsejax.train.tokenizer`: 1024 words, each one
+token); a model with another tokenizer is refused with the words it lacks.
+Each method runs greedy `generate` with diagnostics (accuracy, and per decode step and layer
+the recall and attention-output error against dense attention), then without them for tokens/s:
+compiled ahead of time, one warm-up run, the median of `repeats` timed runs. Methods are the
+registry's (`methods.REGISTRY`) at each budget, layer choices scaled to the model's depth; what
+was fitted to the model and ships beside it is used (`methods.fitted_beside`: Lychee's gates,
+DELTA's and Kascade's calibration; `--no-calibration` keeps the scaled defaults).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
-import sys
+import logging
+import math
+import statistics
 import time
 from pathlib import Path
 
@@ -32,56 +33,36 @@ from sparsejax import methods as M
 from sparsejax.generate import compile_generate, generate
 from sparsejax.plan import Role
 
-METHOD_NAMES = ("dense", "oracle", "streaming", "quest", "tidal", "delta", "kascade", "lychee")
+log = logging.getLogger("sparsejax")
+RESA = "+resa"
+
+CPU_NOTE = ("on CPU the kernels run as their jnp references: tokens/s here compares no kernel "
+            "and sparse methods are slower than dense; speed is only meaningful on a GPU")
+
+
+def speed_note() -> str:
+    """The line to print beside tokens/s measured on this backend ("" on a GPU)."""
+    return "" if jax.default_backend() == "gpu" else f"note: {CPU_NOTE}"
 
 
 def parse_methods(spec: str) -> list[str]:
-    """'dense,delta+resa,...' -> names; each a method name with an optional '+resa'."""
+    """'dense,delta+resa,...' -> names; each a `methods.REGISTRY` name with an optional '+resa'."""
     names = [m.strip() for m in spec.split(",") if m.strip()]
     for name in names:
-        base = name.removesuffix("+resa")
-        if base not in METHOD_NAMES or (name.endswith("+resa") and base == "dense"):
-            raise ValueError(f"--methods entry {name!r}: expected one of {METHOD_NAMES}, "
+        base = name.removesuffix(RESA)
+        if base not in M.REGISTRY or (name.endswith(RESA) and base == "dense"):
+            raise ValueError(f"--methods entry {name!r}: expected one of {tuple(M.REGISTRY)}, "
                              "optionally with '+resa' (not for dense)")
     return names
 
 
-def shipped_retrieval_heads(model_dir: Path | None):
-    """Retrieval heads trained for the model and shipped beside it (gates/), if any."""
-    if model_dir is None:
-        return None
-    gates = Path(model_dir) / "gates"
-    if not gates.is_dir():
-        return None
-    from sparsejax.artifacts import load_retrieval_heads
-
-    candidates = sorted(p for p in gates.iterdir() if p.suffix == ".json")
-    return load_retrieval_heads(candidates[0]) if candidates else None
-
-
-def shipped_calibration(model_dir: Path | None, model) -> dict[str, Path]:
-    """Calibration files shipped beside the model (calibration/<method>.json), by method;
-    each is checked to be made for these weights (a stale one is an error, not skipped)."""
-    if model_dir is None:
-        return {}
-    from sparsejax.artifacts import load_calibration
-
-    paths = {kind: Path(model_dir) / "calibration" / f"{kind}.json"
-             for kind in ("delta", "kascade")}
-    found = {kind: path for kind, path in paths.items() if path.is_file()}
-    for kind, path in found.items():
-        load_calibration(path, kind, model=model)
-    return found
-
-
-def build_methods(config, names, ratio: float, context: int, retrieval_heads=None,
-                  calibration=None) -> dict:
-    base = M.budget_ratio_methods(config, ratio, context, retrieval_heads=retrieval_heads,
-                                  calibration=calibration)
+def build_methods(config, names, ratio: float, context: int, fitted=M.Fitted()) -> dict:
+    """{name: method} at `ratio` of `context` tokens (see `parse_methods`)."""
+    tokens = max(1, math.ceil(ratio * context))
     out = {}
     for name in names:
-        method = base[name.removesuffix("+resa")]
-        out[name] = M.RESA(method) if name.endswith("+resa") else method
+        method = M.REGISTRY[name.removesuffix(RESA)].at_budget(config, tokens, ratio, fitted)
+        out[name] = M.RESA(method) if name.endswith(RESA) else method
     return out
 
 
@@ -108,9 +89,10 @@ def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
 
 
 def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
-               timing: bool = True) -> list[dict]:
+               timing: bool = True, repeats: int = 3) -> list[dict]:
     """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
-    over the decode steps it ran; plus the batch's tokens/s (compile excluded) when `timing`."""
+    over the decode steps it ran; plus, when `timing`, the batch's tokens/s: the median of
+    `repeats` runs after a warm-up (compile excluded)."""
     from sparsejax.train import data
 
     rows, run = [], None
@@ -132,11 +114,15 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
         if timing:
             if run is None:     # every batch has one shape: one compile per method
                 run = compile_generate(model, ids, **kw)
-            t0 = time.perf_counter()
-            timed = run(ids, lengths)
-            jax.block_until_ready(timed.tokens)
+                jax.block_until_ready(run(ids, lengths).tokens)             # warm-up
+            seconds = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                timed = run(ids, lengths)
+                jax.block_until_ready(timed.tokens)
+                seconds.append(time.perf_counter() - t0)
             tokens_per_s = float(np.sum(np.asarray(timed.num_generated)[:len(chunk)])) / (
-                time.perf_counter() - t0)
+                statistics.median(seconds))
         for i, sample in enumerate(chunk):
             rows.append({"task": sample.task, "correct": data.check_answer(toks[i], sample),
                          "tokens_per_s": tokens_per_s,
@@ -167,32 +153,34 @@ def summarize(rows: list[dict], method, config, task: str) -> dict:
 
 def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(),
              methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
-             timing: bool = True, calibrated: bool = True, progress=print) -> dict:
+             timing: bool = True, repeats: int = 3, calibrated: bool = True,
+             progress=log.info) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
-    model, with the calibration shipped beside it unless `calibrated` is False, or
-    `methods(ratio) -> {name: method}` for any others."""
+    model, with what ships beside it (`methods.fitted_beside`; the calibration unless
+    `calibrated` is False), or `methods(ratio) -> {name: method}` for any others."""
     from sparsejax.train import data
 
-    retrieval = shipped_retrieval_heads(model_dir)
-    calibration = shipped_calibration(model_dir, model) if calibrated and methods is None else {}
+    fitted = M.fitted_beside(model_dir, model, calibrated=calibrated and methods is None)
     doc = {"model": str(model_dir) if model_dir else None, "tasks": list(tasks),
            "context": context, "samples_per_task": samples, "seed": seed,
            "device": getattr(jax.devices()[0], "device_kind", jax.default_backend()),
            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
-           "lychee_retrieval_heads": "shipped gates" if retrieval is not None else
+           "lychee_retrieval_heads": "shipped gates" if fitted.retrieval_heads is not None else
            "random (no gates shipped with the model)",
-           "calibrated": sorted(calibration), "results": []}
+           "calibrated": sorted(fitted.calibration),
+           "timing": {"warmup_runs": 1, "repeats": repeats, "statistic": "median"} if timing
+           else None, "results": []}
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
     for ratio in ratios:
         chosen = (methods(ratio) if methods is not None else
-                  build_methods(model.config, method_names, ratio, context, retrieval,
-                                calibration))
+                  build_methods(model.config, method_names, ratio, context, fitted))
         for name, method in chosen.items():
             t0 = time.perf_counter()
             rows = run_method(model, prompts, method, batch=batch,
-                              max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing)
+                              max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing,
+                              repeats=repeats)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task)
                 res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
@@ -218,87 +206,142 @@ def table(doc: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(doc: dict, path: Path) -> None:
-    """Accuracy and recall against the budget ratio, one line per method (mean over tasks)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+METRICS = {"accuracy": "task accuracy (exact match)",
+           "mean_recall": "attention recall, sparse layers",
+           "mean_attn_error": "attention-output error, sparse layers",
+           "tokens_per_s": "tokens/s"}
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+
+def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
+    """One panel per metric (default: those measured) over the methods, mean over the tasks:
+    bars, one per budget (lighter for smaller ones), up to three budgets; lines against the
+    budget ratio beyond. A colour per base method; its RESA variant hatched (dashed) in it."""
+    from matplotlib.patches import Patch
+
+    from sparsejax.plotting import figure, method_style, save
+
     overall = "all" if len(doc["tasks"]) > 1 else doc["tasks"][0]
     results = [r for r in doc["results"] if r["task"] == overall]
-    methods = list(dict.fromkeys(r["method"] for r in results))
-    # one colour per base method; its RESA variant dashed in the same colour
-    bases = list(dict.fromkeys(m.removesuffix("+resa") for m in methods))
-    colours = plt.get_cmap("tab20" if len(bases) > 10 else "tab10")
-    for name in methods:
-        rs = [r for r in results if r["method"] == name]
-        ratios = sorted({r["budget_ratio"] for r in rs})
-        style = dict(marker="o", label=name, color=colours(bases.index(name.removesuffix("+resa"))),
-                     linestyle="--" if name.endswith("+resa") else "-")
-        for ax, key in zip(axes, ("accuracy", "mean_recall")):
-            ax.plot(ratios, [np.mean([r[key] for r in rs if r["budget_ratio"] == x])
-                             for x in ratios], **style)
-    for ax, title in zip(axes, ("task accuracy (exact match)", "attention recall, sparse layers")):
-        ax.set_xlabel("budget ratio")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    fig.suptitle(f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
-                 f"{', '.join(doc['tasks'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    metrics = metrics or [m for m in METRICS if all(r[m] is not None for r in results)]
+    names = list(dict.fromkeys(r["method"] for r in results))
+    bases = list(dict.fromkeys(m.removesuffix(RESA) for m in names))
+    ratios = sorted({r["budget_ratio"] for r in results})
+    value = {(r["method"], r["budget_ratio"]): r for r in results}
+    bars = len(ratios) <= 3
+    width = (0.5 * len(names) * len(ratios) + 1.5) if bars else 5.5
+    fig, axes = figure(1, len(metrics), figsize=(max(4.5, width) * len(metrics) / 1.6, 4.2))
+    for ax, key in zip(axes[0], metrics):
+        for i, name in enumerate(names):
+            style = method_style(name, bases)
+            ys = [value[name, x][key] if (name, x) in value else np.nan for x in ratios]
+            if bars:
+                for j, y in enumerate(ys):
+                    offset = (j - (len(ratios) - 1) / 2) * 0.8 / len(ratios)
+                    shade = dict(alpha=0.4 + 0.6 * (j + 1) / len(ratios))
+                    if style["resa"]:
+                        shade.update(facecolor="none", edgecolor=style["color"], hatch="///")
+                    else:
+                        shade.update(color=style["color"])
+                    ax.bar(i + offset, y, width=0.8 / len(ratios), **shade)
+            else:
+                ax.plot(ratios, ys, marker="o", color=style["color"], label=name,
+                        linestyle="--" if style["resa"] else "-",
+                        markerfacecolor="none" if style["resa"] else style["color"])
+        ax.set_title(METRICS[key])
+        ax.grid(alpha=0.3, axis="y" if bars else "both")
+        if bars:
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+        else:
+            ax.set_xlabel("budget ratio")
+    if bars and len(ratios) > 1:
+        axes[0, -1].legend(handles=[Patch(color="grey", alpha=0.4 + 0.6 * (j + 1) / len(ratios),
+                                          label=f"budget {x:g} of the context")
+                                    for j, x in enumerate(ratios)], fontsize=8)
+    elif not bars:
+        axes[0, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    budget = f", budget {ratios[0]:g} of the context" if len(ratios) == 1 else ""
+    fig.suptitle(title or f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
+                 f"{', '.join(doc['tasks'])}{budget} (hatched: with RESA)")
+    return save(fig, path)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method")
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
+    from sparsejax.cli import positive_int, ratio_list, token_list
+
+    p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method",
+                       description="Accuracy, attention recall, attention-output error and "
+                       "tokens/s of the methods on the synthetic tasks of sparsejax.train.data. "
+                       "The model must use those tasks' 1024-word vocabulary "
+                       "(sparsejax.train.tokenizer), as the embedded model does.")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir (default: the embedded model)")
     p.add_argument("--task", default="niah,multikey,multivalue,vt",
                    help="comma-separated: niah, multikey, multivalue, vt")
-    p.add_argument("--context", type=int, default=1024)
-    p.add_argument("--samples", type=int, default=8, help="samples per task")
-    p.add_argument("--methods", default=",".join(METHOD_NAMES))
-    p.add_argument("--budget-ratio", default="0.1", help="comma-separated budget ratios")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--context", type=positive_int, default=1024, help="prompt tokens")
+    p.add_argument("--samples", type=positive_int, default=8, help="prompts per task")
+    p.add_argument("--methods", default=",".join(M.REGISTRY),
+                   help="comma-separated method names, each optionally with +resa")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-ratio", type=ratio_list, default=[0.1],
+                        help="comma-separated budgets as shares of the context")
+    budget.add_argument("--budget-tokens", type=token_list, default=None,
+                        help="comma-separated budgets in tokens (default: --budget-ratio)")
+    p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed runs per method after a warm-up (the median is reported)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
     p.add_argument("--no-calibration", action="store_true",
                    help="DELTA/Kascade layer choices from the defaults scaled to the depth, not "
                    "from the calibration shipped beside the model")
     p.add_argument("--no-timing", action="store_true",
-                   help="skip the tokens/s runs (half the generate calls)")
-    p.add_argument("--json", default=None, help="write the results here")
-    p.add_argument("--plot", default=None, help="write the accuracy/recall plot here (PNG)")
+                   help="skip the tokens/s runs")
+    p.add_argument("--json", default=None, help="write the results here (default: not written)")
+    p.add_argument("--plot", default=None,
+                   help="write the accuracy/recall/error/speed plot here, PNG "
+                   "(default: not written)")
     p.set_defaults(func=run)
+
+
+def budget_ratios(args, context: int) -> list[float]:
+    """--budget-tokens as shares of `context`, or --budget-ratio (each checked in (0, 1])."""
+    if args.budget_tokens is None:
+        return args.budget_ratio
+    too_long = [t for t in args.budget_tokens if t > context]
+    if too_long:
+        raise ValueError(f"--budget-tokens {too_long}: expected at most the context, {context}")
+    return [t / context for t in args.budget_tokens]
 
 
 def run(args) -> int:
     import sparsejax
+    from sparsejax.files import check_writable, write_text_atomic
     from sparsejax.train import data
 
-    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
-    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
-                                      else jnp.bfloat16)
+    outputs = {flag: check_writable(path, flag) for flag, path in
+               (("--json", args.json), ("--plot", args.plot)) if path}
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     for t in tasks:
         if t not in data.TASKS:
             raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")
-    ratios = [float(r) for r in args.budget_ratio.split(",")]
-    for r in ratios:
-        if not 0 < r <= 1:
-            raise ValueError(f"--budget-ratio {r}: expected 0 < ratio <= 1")
+    ratios = budget_ratios(args, args.context)
+    names = parse_methods(args.methods)
+    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
+    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
+                                      else jnp.bfloat16)
     vocab = sparsejax.load_tokenizer(model_dir).get_vocab()
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
-                   method_names=parse_methods(args.methods), ratios=ratios, seed=args.seed,
+                   method_names=names, ratios=ratios, seed=args.seed,
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
-                   timing=not args.no_timing, calibrated=not args.no_calibration,
-                   progress=lambda s: print(s, file=sys.stderr, flush=True))
+                   timing=not args.no_timing, repeats=args.repeats,
+                   calibrated=not args.no_calibration)
     print(table(doc))
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if not args.no_timing and speed_note():
+        print(speed_note())
+    if "--json" in outputs:
+        write_text_atomic(outputs["--json"], json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.json}")
-    if args.plot:
-        plot(doc, Path(args.plot))
+    if "--plot" in outputs:
+        plot(doc, outputs["--plot"])
         print(f"wrote {args.plot}")
     return 0

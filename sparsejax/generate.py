@@ -83,24 +83,30 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
 
 
 # ---- generate -------------------------------------------------------------------------------
-def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eos_token_id: int | Sequence[int] | None = None, rng: jax.Array | None = None,
-             page_size: int | None = None, return_diagnostics: bool = False) -> GenerateOutput:
-    """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`.
+def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
+             method=None, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
+             rng: jax.Array | None = None, page_size: int | None = None,
+             return_diagnostics: bool = False) -> GenerateOutput:
+    """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
+    or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
+    the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
 
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
     Greedy when `temperature` is 0, else sampled with the explicit PRNG key `rng`. A row that
-    emits an EOS token stops; its remaining tokens are EOS. The page size defaults to 16, or
-    to the method's own when it selects pages. With `return_diagnostics`, also returns per
-    decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
+    emits an EOS token stops; its remaining tokens are EOS. `eos_token_id=None` takes the
+    checkpoint's (generation_config.json, else config.json); `()` never stops. The page size
+    defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
+    also returns per decode step and layer: recall, oracle_recall, attn_error (see
+    `sparsejax.stack`).
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
     cannot be inspected: there an id >= vocab embeds as NaN, a negative one wraps around, and
     a length outside [1, T] reads padding.
     """
-    args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
+    args, static = _prepare(model, input_ids, lengths=lengths, attention_mask=attention_mask,
+                            max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
                             return_diagnostics=return_diagnostics)
@@ -110,22 +116,52 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
 def compile_generate(model: Model, input_ids, **kwargs):
     """`generate(model, input_ids, **kwargs)` compiled ahead of time, without running it.
 
-    Returns `run(input_ids, lengths=None)` for inputs of the same shape, e.g. to time
-    generation without the compile (a warm-up call would also run it once)."""
+    Returns `run(input_ids, lengths=None, attention_mask=None)` for inputs of the same shape,
+    e.g. to time generation without the compile (a warm-up call would also run it once)."""
     args, static = _prepare(model, input_ids, **kwargs)
     compiled = _generate.lower(*args, **static).compile()
 
-    def run(input_ids, lengths=None):
-        args, _ = _prepare(model, input_ids, **{**kwargs, "lengths": lengths})
+    def run(input_ids, lengths=None, attention_mask=None):
+        args, _ = _prepare(model, input_ids, **{**kwargs, "lengths": lengths,
+                                                "attention_mask": attention_mask})
         return compiled(*args)
 
     return run
 
 
-def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
-             temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
-             page_size=None, return_diagnostics: bool = False):
+def _right_padded(input_ids, attention_mask):
+    """Left- or right-padded `input_ids [B, T]` with `attention_mask [B, T]` -> the same prompts
+    right-padded, and their lengths [B] (positions then count from each prompt's first token)."""
+    if any(isinstance(x, jax.core.Tracer) for x in (input_ids, attention_mask)):
+        raise ValueError("attention_mask= needs concrete arrays; inside jit pass right-padded "
+                         "input_ids with lengths=")
+    ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+    if mask.shape != ids.shape or ids.ndim != 2:
+        raise ValueError(f"attention_mask has shape {mask.shape}: expected input_ids' "
+                         f"{ids.shape} [batch, seq]")
+    if not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"attention_mask holds {np.unique(mask)[:8]}: expected 0s and 1s")
+    mask = mask.astype(bool)
+    lengths = mask.sum(1)
+    start = np.argmax(mask, axis=1)
+    pos = np.arange(ids.shape[1])
+    one_run = (pos >= start[:, None]) & (pos < (start + lengths)[:, None])
+    bad = np.flatnonzero((lengths == 0) | np.any(one_run != mask, axis=1))
+    if bad.size:
+        raise ValueError(f"attention_mask rows {bad[:8].tolist()} are not one run of ones: "
+                         "expected left or right padding around a non-empty prompt")
+    packed = np.take_along_axis(ids, np.minimum(start[:, None] + pos, ids.shape[1] - 1), axis=1)
+    return np.where(pos < lengths[:, None], packed, 0), lengths
+
+
+def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
+             method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
+             rng=None, page_size=None, return_diagnostics: bool = False):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
+    if attention_mask is not None:
+        if lengths is not None:
+            raise ValueError("give lengths= (right padding) or attention_mask=, not both")
+        input_ids, lengths = _right_padded(input_ids, attention_mask)
     input_ids = token_ids(input_ids, model.config.vocab_size)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids has shape {input_ids.shape}: expected [batch, seq >= 1]")
@@ -143,8 +179,9 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
     model.config.check_context(T + max_new_tokens)
-    eos = () if eos_token_id is None else (
-        (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(e) for e in eos_token_id))
+    if eos_token_id is None:
+        eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
+    eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
     rng = jax.random.key(0) if rng is None else rng
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,

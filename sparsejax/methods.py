@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -386,10 +386,6 @@ class RESA:
                                    residual=Residual(float(self.lam), self.fold_decode_tokens))
 
 
-METHODS = {"dense": Dense, "oracle": OracleTopK, "streaming": StreamingLLM, "quest": Quest,
-           "tidal": TidalDecode, "delta": DELTA, "kascade": Kascade, "lychee": Lychee}
-
-
 def random_retrieval_heads(config: ModelConfig, count: int, seed: int = 0) -> np.ndarray:
     """`count` retrieval heads drawn uniformly among layers >= 1 (layer 0 is all retrieval)."""
     L, HK = config.num_layers, config.num_kv_heads
@@ -403,32 +399,123 @@ def random_retrieval_heads(config: ModelConfig, count: int, seed: int = 0) -> np
     return mask
 
 
+# ---- the registry: every method as the CLI, eval and the demo see it -------------------------
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """A command-line option that sets one constructor field of a method."""
+    flag: str                       # "--delta-layers"
+    field: str                      # "delta_layers"
+    help: str
+    type: Callable = int
+    nargs: str | None = None        # "+" for a list of layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """What was fitted to a model: Lychee's retrieval heads [layers, kv_heads] and
+    {"delta" / "kascade": calibration file} (see `fitted_beside`)."""
+    retrieval_heads: Any = None
+    calibration: Mapping[str, Path] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """A method's constructor, its defaults at a budget and its command-line options.
+
+    at_budget(config, tokens, ratio, fitted) -> method: the method attending to `tokens` of the
+    context (`ratio` of it), layer choices scaled to the depth or taken from `fitted`; what
+    `sparsejax eval`, `demo` and `generate` run. Each option overrides one constructor field.
+    """
+    constructor: type
+    summary: str
+    at_budget: Callable[[ModelConfig, int, float, Fitted], Any]
+    options: tuple[Option, ...] = ()
+
+
+def _delta_at(config, tokens, ratio, fitted):
+    pages = max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))
+    kw = dict(budget_pages=pages, recent_pages=max(1, min(8, pages // 4)))
+    if "delta" in fitted.calibration:
+        return DELTA.from_calibration(fitted.calibration["delta"], **kw)
+    return DELTA(**kw).scaled_to(config.num_layers)
+
+
+def _kascade_at(config, tokens, ratio, fitted):
+    if "kascade" in fitted.calibration:
+        return Kascade.from_calibration(fitted.calibration["kascade"], ratio=ratio, min_k=0)
+    return Kascade(ratio=ratio, min_k=0).scaled_to(config.num_layers)
+
+
+def _lychee_at(config, tokens, ratio, fitted):
+    heads = fitted.retrieval_heads
+    if heads is None:
+        heads = random_retrieval_heads(config, max(1, (config.num_layers - 1)
+                                                   * config.num_kv_heads // 8))
+    return Lychee(heads, budget=TopK(tokens), sinks=min(128, tokens // 8),
+                  recent=min(256, tokens // 4))
+
+
+_SINKS = Option("--sinks", "sinks", "always-kept first tokens")
+REGISTRY: dict[str, MethodSpec] = {
+    "dense": MethodSpec(Dense, "every layer attends to the whole cache",
+                        lambda config, tokens, ratio, fitted: Dense()),
+    "oracle": MethodSpec(OracleTopK, "exact top-k of every layer's own attention (the ceiling)",
+                         lambda config, tokens, ratio, fitted: OracleTopK(k=tokens)),
+    "streaming": MethodSpec(
+        StreamingLLM, "attention sinks and a recent window",
+        lambda config, tokens, ratio, fitted: StreamingLLM(sinks=4, window=max(1, tokens - 4)),
+        (_SINKS,)),
+    "quest": MethodSpec(
+        Quest, "per-query-head page bounds",
+        lambda config, tokens, ratio, fitted: Quest(token_budget=tokens,
+                                                    dense_layers=min(2, config.num_layers))),
+    "tidal": MethodSpec(
+        TidalDecode, "per-query-head top-k re-selected at a few layers",
+        lambda config, tokens, ratio, fitted: TidalDecode(k=tokens).scaled_to(config.num_layers),
+        (Option("--select-layers", "select_layers", "layers that select", nargs="+"),)),
+    "delta": MethodSpec(
+        DELTA, "pages chosen at a few Δ-layers, reused by the layers after them", _delta_at,
+        (Option("--delta-layers", "delta_layers", "layers that select pages", nargs="+"),
+         Option("--recent-pages", "recent_pages", "most recent pages always kept"))),
+    "kascade": MethodSpec(
+        Kascade, "per-KV-head tokens chosen at anchor layers, reused through a head map",
+        _kascade_at,
+        (Option("--anchor-layers", "anchor_layers", "layers that select (0 among them)",
+                nargs="+"),
+         Option("--min-k", "min_k", "fewest tokens kept"))),
+    "lychee": MethodSpec(
+        Lychee, "retrieval heads select per head, the other heads inherit", _lychee_at,
+        (Option("--gates", "retrieval_heads", "gate file or directory (`sparsejax train-gates`)",
+                type=str),
+         Option("--block", "block", "selection block (tokens)"),
+         _SINKS,
+         Option("--recent", "recent", "most recent tokens always kept"))),
+}
+
+
+def fitted_beside(model_dir: str | Path | None, model, calibrated: bool = True) -> Fitted:
+    """What ships beside a checkpoint: Lychee's gates (gates/*.json, the first by name) and,
+    when `calibrated`, DELTA's / Kascade's calibration (calibration/<method>.json), each checked
+    to be made for `model` (a stale file is an error, not skipped)."""
+    if model_dir is None:
+        return Fitted()
+    gates = sorted(Path(model_dir).glob("gates/*.json"))
+    calibration = {kind: Path(model_dir) / "calibration" / f"{kind}.json"
+                   for kind in artifacts.CALIBRATED_METHODS}
+    calibration = {kind: path for kind, path in calibration.items()
+                   if calibrated and path.is_file()}
+    for kind, path in calibration.items():
+        artifacts.load_calibration(path, kind, model=model)
+    heads = None
+    if gates:
+        heads, origin = artifacts.load_gates(gates[0])
+        origin.check(model, "gate file")
+    return Fitted(heads, calibration)
+
+
 def budget_ratio_methods(config: ModelConfig, ratio: float, context: int, *,
                          retrieval_heads=None, calibration=None) -> dict[str, Any]:
-    """Every method at one budget ratio of the context, with layer choices scaled to the depth.
-
-    calibration: {"delta" / "kascade": a `sparsejax calibrate` file} made for this model (the
-    caller checks that): DELTA's Δ-layers and Kascade's anchors and head map come from it
-    instead of the defaults scaled to the depth.
-    """
-    L = config.num_layers
+    """Every registered method at one budget ratio of the context (see `MethodSpec`)."""
+    fitted = Fitted(retrieval_heads, calibration or {})
     tokens = max(1, math.ceil(ratio * context))
-    pages = max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))
-    recent_pages = max(1, min(8, pages // 4))
-    calibration = calibration or {}
-    delta = dict(budget_pages=pages, recent_pages=recent_pages)
-    kascade = dict(ratio=ratio, min_k=0)
-    return {
-        "dense": Dense(),
-        "oracle": OracleTopK(k=tokens),
-        "streaming": StreamingLLM(sinks=4, window=max(1, tokens - 4)),
-        "quest": Quest(token_budget=tokens, dense_layers=min(2, L)),
-        "tidal": TidalDecode(k=tokens).scaled_to(L),
-        "delta": (DELTA.from_calibration(calibration["delta"], **delta) if "delta" in calibration
-                  else DELTA(**delta).scaled_to(L)),
-        "kascade": (Kascade.from_calibration(calibration["kascade"], **kascade)
-                    if "kascade" in calibration else Kascade(**kascade).scaled_to(L)),
-        "lychee": Lychee(retrieval_heads if retrieval_heads is not None
-                         else random_retrieval_heads(config, max(1, (L - 1) * config.num_kv_heads // 8)),
-                         budget=TopK(tokens), sinks=min(128, tokens // 8), recent=min(256, tokens // 4)),
-    }
+    return {name: spec.at_budget(config, tokens, ratio, fitted) for name, spec in REGISTRY.items()}

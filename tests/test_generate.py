@@ -171,3 +171,58 @@ def test_page_sizes_power_of_two_up_to_256(llama):
     for p in (0, 3, 512):
         with pytest.raises(ValueError, match=f"page_size={p}"):
             kv.allocate(model.config, 1, 5, page_size=p)
+
+
+def test_attention_mask_left_padding_equals_right_padding(llama):
+    model, _ = llama
+    ids, lengths = ragged([5, 19, 11])
+    T = ids.shape[1]
+    left, left_mask = np.zeros_like(ids), np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        left[i, T - n:], left_mask[i, T - n:] = ids[i, :n], 1
+    right_mask = (np.arange(T) < lengths[:, None]).astype(np.int32)
+    method = sparsejax.methods.DELTA(budget_pages=1, recent_pages=1, delta_layers=(1,),
+                                     dense_layers=(0,))
+    for m in (None, method):
+        kw = dict(max_new_tokens=10, method=m, eos_token_id=())
+        want = sparsejax.generate(model, ids, lengths=lengths, **kw)
+        for x, mask in ((left, left_mask), (ids, right_mask)):
+            got = sparsejax.generate(model, x, attention_mask=mask, **kw)
+            np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        # negative control: the left-padded rows read without their mask are other prompts
+        unmasked = sparsejax.generate(model, left, **kw)
+        assert not np.array_equal(np.asarray(unmasked.tokens), np.asarray(want.tokens))
+    holed = left_mask.copy()
+    holed[1, T - 3] = 0
+    for kwargs, match in ((dict(attention_mask=holed), r"rows \[1\] are not one run"),
+                          (dict(attention_mask=left_mask * 2), "0s and 1s"),
+                          (dict(attention_mask=left_mask[:, 1:]), "shape"),
+                          (dict(attention_mask=left_mask, lengths=lengths), "not both")):
+        with pytest.raises(ValueError, match=match):
+            sparsejax.generate(model, left, max_new_tokens=2, **kwargs)
+
+
+def test_eos_defaults_to_the_checkpoints_generation_config(llama, tmp_path):
+    import json
+
+    model, _ = llama
+    ids, lengths = ragged([5, 19, 11])
+    kw = dict(lengths=lengths, max_new_tokens=12)
+    free = sparsejax.generate(model, ids, eos_token_id=(), **kw)
+    eos = int(free.tokens[1, 3])       # row 1 emits this at step 3
+    explicit = sparsejax.generate(model, ids, eos_token_id=eos, **kw)
+    assert int(explicit.num_generated[1]) <= 4 < 12
+    build("llama-gqa-llama3rope-tied", tmp_path)        # the fixture's checkpoint again
+    (tmp_path / "generation_config.json").unlink(missing_ok=True)
+    config_eos = json.loads((tmp_path / "config.json").read_text())["eos_token_id"]
+    assert sparsejax.from_pretrained(tmp_path, dtype=jnp.float32).config.eos_token_id == (
+        tuple(config_eos) if isinstance(config_eos, list) else config_eos)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    loaded = sparsejax.from_pretrained(tmp_path, dtype=jnp.float32)
+    assert loaded.config.eos_token_id == (eos,)
+    default = sparsejax.generate(loaded, ids, **kw)
+    np.testing.assert_array_equal(np.asarray(default.tokens), np.asarray(explicit.tokens))
+    np.testing.assert_array_equal(np.asarray(default.num_generated),
+                                  np.asarray(explicit.num_generated))
+    never = sparsejax.generate(loaded, ids, eos_token_id=(), **kw)
+    np.testing.assert_array_equal(np.asarray(never.tokens), np.asarray(free.tokens))

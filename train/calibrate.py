@@ -17,7 +17,7 @@ the model it was made for; `methods.DELTA/Kascade.from_calibration` read it.
 from __future__ import annotations
 
 import functools
-import sys
+import logging
 from pathlib import Path
 
 import jax
@@ -26,10 +26,14 @@ import numpy as np
 
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
 from sparsejax.cache import allocate, layer_page_ids, layer_pages
+from sparsejax.files import check_writable
 from sparsejax.generate import decode_step, prefill
 from sparsejax.models import Model
 from sparsejax.pallas_kernels import paged_decode_attention
 from sparsejax.plan import dense_plan
+
+log = logging.getLogger("sparsejax")
+
 
 # ---- dense decoding with per-step measurements ----------------------------------------------
 @jax.jit
@@ -317,13 +321,11 @@ def head_mapping(sim, anchors) -> np.ndarray:
 def plot_shift(shift, layers, path, *, dense_layers=(), title: str = "") -> None:
     """The shift curve (x = layer l, the right member of the pair (l-1, l)), Δ-layers marked,
     dense layers shaded."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sparsejax.plotting import figure, save
 
     shift = np.asarray(shift)
     x = np.arange(1, shift.shape[0] + 1)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ((ax,),) = figure(figsize=(8, 3.5))
     ax.plot(x, shift, marker="o", color="black", label="1 - cos(layer l-1, layer l)")
     if dense_layers:
         ax.axvspan(min(dense_layers) - 0.5, max(dense_layers) + 0.5, color="gray", alpha=0.15,
@@ -336,21 +338,17 @@ def plot_shift(shift, layers, path, *, dense_layers=(), title: str = "") -> None
     ax.set_title(title or "DELTA layer-shift probe")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_layer_similarity(layer_sim, importance, anchors, path, *, title: str = "") -> None:
     """The layer-similarity matrix (rows: anchor a, columns: reuse layer b) with each layer's
     chosen (anchor(b), b) cell marked, and the importance per layer with anchors highlighted."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sparsejax.plotting import figure, save
 
     layer_sim = np.asarray(layer_sim, np.float64)
     L = layer_sim.shape[0]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    fig, ((ax, bx),) = figure(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
     im = ax.imshow(np.ma.masked_invalid(layer_sim), cmap="viridis")
     fig.colorbar(im, ax=ax, shrink=0.8)
     ax.scatter(np.arange(L), anchor_of(anchors, L), marker="s", s=30, facecolors="none",
@@ -364,13 +362,12 @@ def plot_layer_similarity(layer_sim, importance, anchors, path, *, title: str = 
     bx.set_xlabel("layer (red: anchors)")
     bx.set_title("importance 1 - cos(x, x + attn_out)")
     fig.suptitle(title or f"Kascade anchors {tuple(anchors)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(sub) -> None:
+    from sparsejax.cli import positive_int
     from sparsejax.train.data import TASKS
 
     p = sub.add_parser("calibrate", help="DELTA layer-shift probe / Kascade anchor DP",
@@ -378,27 +375,28 @@ def add_parser(sub) -> None:
                        "head map for a model; writes a calibration JSON (--out) for "
                        "methods.DELTA/Kascade.from_calibration and `--calibration`.")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
-    p.add_argument("--method", required=True, choices=CALIBRATED_METHODS)
+    p.add_argument("--method", required=True, choices=CALIBRATED_METHODS, help="what to calibrate")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompts", default=None, help="text file, one prompt per line, "
-                        "tokenized with the model's tokenizer")
+                        "tokenized with the model's tokenizer (default: --task)")
     source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
                         f"tasks, in turn (default: all of {','.join(TASKS)})")
-    p.add_argument("--samples", type=int, default=16, help="prompts (the first N lines of "
-                   "--prompts)")
-    p.add_argument("--context", type=int, default=2048, help="prompt tokens: exact for --task, "
-                   "at most for --prompts (longer lines keep their first N tokens)")
-    p.add_argument("--decode-steps", type=int, default=16, help="measured decode steps per prompt")
+    p.add_argument("--samples", type=positive_int, default=16, help="prompts (the first N "
+                   "lines of --prompts)")
+    p.add_argument("--context", type=positive_int, default=2048, help="prompt tokens: exact for "
+                   "--task, at most for --prompts (longer lines keep their first N tokens)")
+    p.add_argument("--decode-steps", type=positive_int, default=16,
+                   help="measured decode steps per prompt")
     p.add_argument("--count", type=int, default=None, help="delta: Δ-layers (default 3, the "
                    "paper's, or fewer on a shallow model)")
     p.add_argument("--anchors", type=int, default=None, help="kascade: anchor layers, layer 0 "
                    "included (default 5, the paper's, or fewer on a shallow model)")
-    p.add_argument("--k", type=int, default=64, help="kascade: top-k of the similarity")
-    p.add_argument("--batch", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--k", type=positive_int, default=64, help="kascade: top-k of the similarity")
+    p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
     p.add_argument("--out", required=True, help="calibration JSON to write")
-    p.add_argument("--plot", default=None, help="directory for the PNGs")
+    p.add_argument("--plot", default=None, help="directory for the PNGs (default: none)")
     p.set_defaults(func=run)
 
 
@@ -429,6 +427,9 @@ def _cli_prompts(args, tokenizer):
 def run(args) -> int:
     import sparsejax
 
+    check_writable(args.out, "--out")
+    if args.plot:
+        check_writable(args.plot, "--plot", directory=True)
     model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
@@ -469,7 +470,7 @@ def run(args) -> int:
             plot_layer_similarity(layer_sim, importance, layers,
                                   plot / "kascade_layer_similarity.png",
                                   title=f"{model_dir.name}: Kascade anchors {layers}")
-    print(f"wrote {out}" + (f" and PNGs in {plot}" if plot else ""), file=sys.stderr)
+    log.info(f"wrote {out}" + (f" and PNGs in {plot}" if plot else ""))
     return 0
 
 

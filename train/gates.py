@@ -469,29 +469,37 @@ def save_gates(state: GateState, path: str | Path) -> Path:
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from sparsejax.cli import positive_int, ratio
+
     p = subparsers.add_parser("train-gates", help="train LycheeDecode's HardKuma head gates",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description="Train LycheeDecode's retrieval-head gates for a model "
+                              "and write gates.json (methods.Lychee(gates=...), generate --gates).",
+                              epilog="How the gates are trained: docs/training.md")
     p.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer)")
     p.add_argument("--target-heads", type=float, required=True,
                    help="retrieval heads wanted among the KV heads of layers 1..L-1")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=positive_int, default=3000, help="training steps")
     p.add_argument("--out", required=True, help="directory for gates.json")
     p.add_argument("--data", default=None, help="filler text file (default: built-in filler)")
-    p.add_argument("--budget-ratio", type=float, default=0.3,
+    p.add_argument("--budget-ratio", type=ratio, default=0.3,
                    help="sparse heads' token budget as a share of the context")
-    p.add_argument("--sinks", type=int, default=128)
-    p.add_argument("--recent", type=int, default=256)
-    p.add_argument("--loss", choices=LOSSES, default="logits")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--lambda-lr", type=float, default=0.02)
-    p.add_argument("--min-length", type=int, default=1024, help="shortest prompt (tokens)")
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--sinks", type=int, default=128, help="always-kept first tokens")
+    p.add_argument("--recent", type=int, default=256, help="always-kept most recent tokens")
+    p.add_argument("--loss", choices=LOSSES, default="logits",
+                   help="distil the dense model's logits or last hidden states")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate of the gates")
+    p.add_argument("--lambda-lr", type=float, default=0.02,
+                   help="learning rate of the Lagrange multiplier of the head budget")
+    p.add_argument("--min-length", type=positive_int, default=1024,
+                   help="shortest prompt (tokens)")
+    p.add_argument("--max-length", type=positive_int, default=None,
                    help="longest prompt (default: the model's context minus the targets)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   "(default: none)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=100,
+                   help="steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0, help="seed of the gates and the prompts")
     p.set_defaults(func=run)
     return p
 

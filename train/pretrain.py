@@ -701,14 +701,11 @@ def export(run: Run, recipe: Recipe, out: str | Path, seed: int = 0) -> Path:
 
 
 def plot_curve(log: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from sparsejax.plotting import figure, save
 
     records = log["records"]
     steps = [r["step"] for r in records]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, ((ax_loss, ax_acc),) = figure(1, 2, figsize=(12, 4.5))
     ax_loss.plot(steps, [r["loss"] for r in records], color="black")
     ax_loss.set_yscale("log")
     ax_loss.set_xlabel("step")
@@ -730,33 +727,42 @@ def plot_curve(log: dict, path: Path) -> None:
     ax_acc.legend(fontsize=7, loc="best")
     fig.suptitle(f"{log['params'] / 1e6:.2f} M params, {log['device']}, "
                  f"{log.get('train_seconds', 0):.0f} s of training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from sparsejax.cli import positive_int
+
     p = subparsers.add_parser("pretrain", help="train a small retrieval model from scratch",
-                              description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description="Train a small Llama from scratch on the synthetic "
+                              "tasks of sparsejax.train.data and export it as an HF checkpoint "
+                              "(the embedded model's recipe; --size tiny trains on a CPU).",
+                              epilog="The recipe, the curriculum and why: docs/training.md")
     p.add_argument("--out", required=True, help="export directory (HF checkpoint + logs)")
     p.add_argument("--minutes", type=float, default=None,
-                   help="training time, compile excluded (plans the step counts)")
-    p.add_argument("--steps", type=int, default=None, help="training steps")
-    p.add_argument("--size", choices=tuple(_STAGES), default="default")
-    p.add_argument("--batch", type=int, default=None,
-                   help="sequences per step at the longest context (other stages scale)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="end the context curriculum at this prompt length")
-    p.add_argument("--seed", type=int, default=0)
+                   help="training time, compile excluded (plans the step counts; "
+                   "default: --steps)")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="training steps (default: planned from --minutes; one is needed)")
+    p.add_argument("--size", choices=tuple(_STAGES), default="default",
+                   help="model and curriculum size")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="sequences per step at the longest context, other stages scale "
+                   "(default: the size's)")
+    p.add_argument("--max-context", type=positive_int, default=None,
+                   help="end the context curriculum at this prompt length (default: the size's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--init", default=None,
                    help="continue from this exported checkpoint (its --size), with the "
-                        "continued-training stages and learning rate")
+                        "continued-training stages and learning rate (default: from scratch)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there")
-    p.add_argument("--checkpoint-every", type=int, default=500)
-    p.add_argument("--log-every", type=int, default=50)
+                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   "(default: none)")
+    p.add_argument("--checkpoint-every", type=positive_int, default=500,
+                   help="steps between checkpoints")
+    p.add_argument("--log-every", type=positive_int, default=50,
+                   help="steps between logged records")
     p.add_argument("--workers", type=int, default=None,
                    help="data processes (default: none on CPU, up to 8 on accelerators)")
     p.set_defaults(func=run)

@@ -1,0 +1,189 @@
+"""The command line: the README's commands as written, the method registry behind every
+command, defaults in every --help, bad values named by their flag, outputs checked first."""
+import contextlib
+import dataclasses
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+import sparsejax
+from sparsejax import cli, demo, eval as evaluation, methods as M
+from sparsejax.files import write_atomic
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def run(capsys, *argv):
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def subcommands():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return parser, sub.choices
+
+
+def test_help_lists_each_command_once_and_a_default_for_every_option():
+    parser, commands = subcommands()
+    text = parser.format_help()
+    for name in commands:
+        assert len(re.findall(rf"^ +{re.escape(name)}(?: |$)", text, re.M)) == 1, name
+    for name, p in commands.items():
+        formatter = p._get_formatter()
+        for action in p._actions:
+            if action.dest == "help":
+                continue
+            shown = formatter._expand_help(action) if action.help else ""
+            assert action.required or "default" in shown, (name, action.option_strings, shown)
+        assert len(p.format_help().splitlines()) < 100, name     # options, not an essay
+
+
+def test_every_registry_method_is_accepted_by_the_cli_eval_and_demo(monkeypatch):
+    from sparsejax.models import ModelConfig
+
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+                         max_position_embeddings=512)
+    parser, _ = subcommands()
+    for name, spec in M.REGISTRY.items():
+        assert parser.parse_args(["generate", "--prompt", "x", "--method", name]).method == name
+        method = spec.at_budget(config, 32, 0.125, M.Fitted())
+        assert isinstance(method, spec.constructor) and method.to_plan(config).roles
+    assert evaluation.parse_methods(",".join(M.REGISTRY)) == list(M.REGISTRY)
+    assert set(M.REGISTRY) <= set(evaluation.parse_methods(demo.DEMO_METHODS))
+    # a method added to the registry alone reaches the CLI (with its option) and eval
+    knob = M.Option("--streaming-window", "window", "recent tokens")
+    spec = dataclasses.replace(M.REGISTRY["streaming"], options=(knob,))
+    monkeypatch.setitem(M.REGISTRY, "mine", spec)
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--method", "mine",
+                                          "--streaming-window", "7"])
+    assert cli.method_options(args) == {"--streaming-window": 7}
+    assert evaluation.parse_methods("mine+resa") == ["mine+resa"]
+    args.method = "dense"
+    with pytest.raises(ValueError, match="--streaming-window applies to --method mine"):
+        cli.method_options(args)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["eval", "--budget-ratio", "abc"], "--budget-ratio"),
+    (["eval", "--budget-ratio", "0"], "--budget-ratio"),
+    (["eval", "--samples", "0"], "--samples"),
+    (["eval", "--batch", "0"], "--batch"),
+    (["demo", "--budget-tokens", "-4"], "--budget-tokens"),
+    (["generate", "--prompt", "x", "--method", "lychee", "--budget-tokens", "0"], "--budget-tokens"),
+    (["generate", "--prompt", "x", "--method", "quest", "--budget-tokens", "0"], "--budget-tokens"),
+    (["generate", "--prompt", "x", "--resa", "nan"], "--resa"),
+    (["generate", "--prompt", "x", "--method", "delta", "--sinks", "4"], "--sinks"),
+    (["calibrate", "--method", "delta", "--out", "x.json", "--samples", "0"], "--samples"),
+    (["train-gates", "--model", "x", "--target-heads", "2", "--out", "o", "--steps", "0"],
+     "--steps"),
+])
+def test_bad_values_are_errors_naming_the_flag(capsys, monkeypatch, argv, flag):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(sparsejax, "from_pretrained", no_model)
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and flag in err, err
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_eval_checks_its_outputs_before_any_model_work(capsys, monkeypatch, tmp_path, flag):
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded before the outputs were checked")
+
+    monkeypatch.setattr(sparsejax, "from_pretrained", no_model)
+    for path in (tmp_path / "missing" / "out.x", tmp_path):
+        rc, _, err = run(capsys, "eval", flag, path)
+        assert rc == 2 and f"{flag} {path}" in err, err
+    (tmp_path / "file").write_text("")
+    rc, _, err = run(capsys, "calibrate", "--method", "delta", "--out", tmp_path / "c.json",
+                     "--plot", tmp_path / "file" / "plots")
+    assert rc == 2 and "--plot" in err, err
+    rc, _, err = run(capsys, "calibrate", "--method", "delta", "--out", tmp_path / "no" / "c")
+    assert rc == 2 and "--out" in err, err
+
+
+def test_write_atomic_replaces_only_with_a_complete_file(tmp_path):
+    path = tmp_path / "out.json"
+    path.write_text("old")
+
+    def half_then_fail(tmp):
+        tmp.write_text("half")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        write_atomic(path, half_then_fail)
+    assert path.read_text() == "old" and sorted(tmp_path.iterdir()) == [path]
+    write_atomic(path, lambda tmp: tmp.write_text("new"))
+    assert path.read_text() == "new" and sorted(tmp_path.iterdir()) == [path]
+
+
+# ---- the README as written ------------------------------------------------------------------
+def readme_commands() -> list[list[str]]:
+    text = README.read_text()
+    block = text[text.index("## Command line"):]
+    block = block[block.index("```bash\n") + 8:]
+    block = block[:block.index("```")]
+    return [shlex.split(line.split("  #")[0])[1:] for line in block.splitlines()
+            if line.startswith("sparsejax ")]
+
+
+def shorten(argv, **values):
+    """The command with these --flag values replaced (or added): small enough for the CPU."""
+    argv = list(argv)
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(value)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def test_readme_python_examples_print_what_the_readme_shows():
+    text = README.read_text()
+    examples = re.findall(r"```python\n(.*?)```\n\n```text\n(.*?)```", text, re.S)
+    assert len(examples) == 2
+    for code, shown in examples:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "README.md", "exec"), {})
+        assert out.getvalue() == shown, code
+
+
+def test_readme_commands_run_as_written(capsys, tmp_path):
+    commands = {argv[0]: argv for argv in readme_commands()}
+    assert set(commands) == {"generate", "demo", "eval", "calibrate", "train-gates", "pretrain"}
+    parser = cli.build_parser()
+    for argv in commands.values():
+        parser.parse_args(argv)                  # every flag the README shows exists
+    # generate: exactly as written, printing what the README says it prints
+    rc, out, err = run(capsys, *commands["generate"])
+    shown = re.search(r"`generate` prints `(.*?)`", README.read_text()).group(1)
+    assert rc == 0 and out == shown + "\n", err
+    assert "only meaningful on a GPU" in err          # the CPU timing note
+    # eval, demo, calibrate: the same commands on fewer, shorter prompts
+    rc, out, err = run(capsys, *shorten(commands["eval"], context=128, samples=1,
+                                        budget_ratio=0.25, methods="dense,delta+resa",
+                                        json=tmp_path / "out.json", plot=tmp_path / "out.png"),
+                       "--repeats", 1)
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert {r["method"] for r in doc["results"]} == {"dense", "delta+resa"}
+    assert doc["timing"]["repeats"] == 1 and (tmp_path / "out.png").stat().st_size > 0
+    rc, out, err = run(capsys, *shorten(commands["demo"], context=128, samples=1, repeats=1,
+                                        methods="dense", plot=tmp_path / "demo.png"))
+    assert rc == 0 and "dense accuracy per task" in out and "only meaningful" in out, err
+    rc, out, err = run(capsys, *shorten(commands["calibrate"], samples=2, context=96,
+                                        decode_steps=2, out=tmp_path / "calib.json",
+                                        plot=tmp_path / "plots"))
+    assert rc == 0 and json.loads((tmp_path / "calib.json").read_text())["method"] == "kascade"
+    assert (tmp_path / "plots" / "kascade_layer_similarity.png").stat().st_size > 0
+    # train-gates and pretrain run through their CLIs in test_gates.py and test_pretrain.py
