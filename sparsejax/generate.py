@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import cache as kv
+from sparsejax.extend import chunked_prefill
 from sparsejax.models import Model, embed, forward, unembed
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.stack import decode_layers, prefill_state
@@ -31,11 +32,16 @@ class Sampling(NamedTuple):
 
 # ---- the two model passes -------------------------------------------------------------------
 def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths: jax.Array,
-            plan: SparsePlan):
+            plan: SparsePlan, chunk: int | None = None):
     """Dense forward over right-padded prompts; writes the pages, computes method state.
 
+    chunk: None runs the whole prompt in one pass; an int runs it `chunk` tokens at a time
+    over the paged cache (`sparsejax.extend.chunked_prefill`: bounded activation memory,
+    the same logits up to rounding).
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache).
     """
+    if chunk is not None:
+        return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
     out = forward(model, input_ids, lengths)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
@@ -81,7 +87,8 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
 def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, rng: jax.Array | None = None,
-             page_size: int | None = None, return_diagnostics: bool = False) -> GenerateOutput:
+             page_size: int | None = None, return_diagnostics: bool = False,
+             prefill_chunk: int | None = None) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`.
 
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
@@ -89,11 +96,12 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     emits an EOS token stops; its remaining tokens are EOS. The page size defaults to 16, or
     to the method's own when it selects pages. With `return_diagnostics`, also returns per
     decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
+    `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
     """
     args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
-                            return_diagnostics=return_diagnostics)
+                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk)
     return _generate(*args, **static)
 
 
@@ -114,7 +122,7 @@ def compile_generate(model: Model, input_ids, **kwargs):
 
 def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
-             page_size=None, return_diagnostics: bool = False):
+             page_size=None, return_diagnostics: bool = False, prefill_chunk=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
@@ -137,6 +145,8 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {model.config.vocab_size}]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
+    if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
@@ -146,18 +156,18 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
     rng = jax.random.key(0) if rng is None else rng
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
-                  diagnostics=bool(return_diagnostics))
+                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk)
     return (model, input_ids, lengths, rng), static
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
-                                             "diagnostics"))
+                                             "diagnostics", "prefill_chunk"))
 def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics):
+              diagnostics, prefill_chunk):
     B, T = input_ids.shape
     cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
                         dtype=model.dtype)
-    logits, cache = prefill(model, cache, input_ids, lengths, plan)
+    logits, cache = prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
     is_eos = lambda t: jnp.any(t[:, None] == eos_ids[None, :], axis=-1)  # noqa: E731
