@@ -131,3 +131,21 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
         cache = cache.replace(state={**(cache.state or {}),
                                      "prior": resa.prior_from_cache(cache, mu_q, mu_k, lengths)})
     return unembed(model, last), cache
+
+
+def correct(model: Model, cache: kv.PagedKVCache, tokens: jax.Array,
+            plan: SparsePlan) -> kv.PagedKVCache:
+    """Cache correction: re-run each row's last N tokens [B, N] (positions lengths - N ..
+    lengths - 1, written by sparse decode steps) with dense attention and overwrite their
+    K/V, Quest's bounds of the pages they touch and, when decode tokens are folded into
+    RESA's prior, the prior's lse / o_est (recomputed over the cache)."""
+    N = tokens.shape[1]
+    start = cache.lengths - N
+    _, cache, _ = extend_layers(model, cache, embed(model, tokens), start,
+                                jnp.full_like(start, N))
+    if plan.residual is not None and plan.residual.fold_decode_tokens:
+        prior = cache.state["prior"]
+        fresh = resa.prior_from_cache(cache, prior.mu_q, prior.mu_k, cache.lengths)
+        cache = cache.replace(state={**cache.state, "prior": prior._replace(
+            lse=fresh.lse, o_est=fresh.o_est)})
+    return cache

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import cache as kv
-from sparsejax.extend import chunked_prefill
+from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, unembed
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.stack import decode_layers, prefill_state
@@ -88,7 +88,8 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, rng: jax.Array | None = None,
              page_size: int | None = None, return_diagnostics: bool = False,
-             prefill_chunk: int | None = None) -> GenerateOutput:
+             prefill_chunk: int | None = None, correct_every: int | None = None
+             ) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`.
 
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
@@ -97,11 +98,15 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     to the method's own when it selects pages. With `return_diagnostics`, also returns per
     decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
     `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
+    `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
+    are re-run with dense attention and their K/V (and per-page method state) overwritten
+    (`sparsejax.extend.correct`). Off by default.
     """
     args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
-                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk)
+                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
+                            correct_every=correct_every)
     return _generate(*args, **static)
 
 
@@ -122,7 +127,8 @@ def compile_generate(model: Model, input_ids, **kwargs):
 
 def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
-             page_size=None, return_diagnostics: bool = False, prefill_chunk=None):
+             page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
+             correct_every=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
@@ -147,6 +153,8 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
         raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
     if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
         raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
+    if correct_every is not None and not (isinstance(correct_every, int) and correct_every >= 1):
+        raise ValueError(f"correct_every={correct_every!r}: expected None or an int >= 1")
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
@@ -156,14 +164,15 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
     rng = jax.random.key(0) if rng is None else rng
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
-                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk)
+                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
+                  correct_every=correct_every)
     return (model, input_ids, lengths, rng), static
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
-                                             "diagnostics", "prefill_chunk"))
+                                             "diagnostics", "prefill_chunk", "correct_every"))
 def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics, prefill_chunk):
+              diagnostics, prefill_chunk, correct_every):
     B, T = input_ids.shape
     cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
                         dtype=model.dtype)
@@ -190,6 +199,10 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
         step, tokens, done, num, cache, key, diag = s
         out = decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
         logits, cache = out[0], out[1]
+        if correct_every is not None:   # the cache now holds generated tokens 0 .. step-1
+            recent = jax.lax.dynamic_slice_in_dim(tokens, step - correct_every, correct_every, 1)
+            cache = jax.lax.cond(step % correct_every == 0,
+                                 lambda c: correct(model, c, recent, plan), lambda c: c, cache)
         if diagnostics:
             diag = jax.tree.map(lambda acc, x: acc.at[step - 1].set(x), diag, out[2])
         key, sub = jax.random.split(key)

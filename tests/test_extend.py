@@ -11,16 +11,9 @@ from sparsejax.extend import extend
 from sparsejax.plan import as_plan, dense_plan
 
 from hf_checkpoints import build
+from test_generate import ragged
 
 LENGTHS = [5, 19, 11]
-
-
-def ragged(lengths, vocab=97, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = np.zeros((len(lengths), max(lengths)), np.int32)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = rng.integers(0, vocab, n)
-    return ids, np.asarray(lengths, np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +126,64 @@ def test_generate_with_prefill_chunk(checkpoints):
     for bad in (0, 2.5):
         with pytest.raises(ValueError, match=f"prefill_chunk={bad}"):
             sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=2, prefill_chunk=bad)
+
+
+# ---- cache correction -----------------------------------------------------------------------
+def test_correction_with_full_budget_is_dense(checkpoints):
+    model = checkpoints["llama-gqa-llama3rope-tied"]
+    ids, lengths = ragged(LENGTHS, seed=5)
+    want = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=7)
+    got = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=7, correct_every=3,
+                             method=methods.Quest(page_size=4, token_budget=64, dense_layers=1))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    with pytest.raises(ValueError, match="correct_every=0"):
+        sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=2, correct_every=0)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_correction_rewrites_what_dense_prefill_writes(checkpoints, fold):
+    """Small-budget sparse decode steps write K/V that differ from dense; after `correct`,
+    the cache rows (and Quest's page bounds, and RESA's folded prior) equal what a dense
+    prefill of the same tokens writes."""
+    from sparsejax import resa
+    from sparsejax.extend import correct
+    from sparsejax.models import forward
+
+    model = checkpoints["llama-gqa-llama3rope-tied"]
+    steps = 4
+    ids, lengths = ragged(LENGTHS, seed=6)
+    seq = np.concatenate([ids, np.zeros((3, steps), np.int32)], axis=1)
+    generated = np.random.default_rng(7).integers(0, 97, (3, steps)).astype(np.int32)
+    for b, n in enumerate(lengths):
+        seq[b, n:n + steps] = generated[b]
+    method = methods.RESA(methods.Quest(page_size=4, token_budget=8, dense_layers=1),
+                          fold_decode_tokens=fold)
+    plan = as_plan(method, model.config, 4)
+    empty = kv.allocate(model.config, 3, 24, page_size=4, dtype=jnp.float32)
+    _, cache = prefill(model, empty, ids, lengths, plan=plan)
+    decode = jax.jit(sparsejax.decode_step, static_argnames="plan")
+    for s in range(steps):
+        _, cache = decode(model, cache, generated[:, s], plan=plan)
+    _, dense = prefill(model, empty, seq, lengths + steps, plan=plan)
+    total = lengths + steps
+    sparse_k = valid_kv(cache, total)
+    assert max(np.abs(a[0] - b[0]).max() for a, b in zip(sparse_k, valid_kv(dense, total))) > 1e-3
+
+    fixed = jax.jit(correct, static_argnames="plan")(model, cache, generated, plan=plan)
+    assert_same_cache(fixed, dense, total)
+    for name in ("kmin", "kmax"):
+        got, want = np.asarray(fixed.state[name]), np.asarray(dense.state[name])
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+        np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=1e-5)
+    prior = fixed.state["prior"]
+    # the prompt's prior, then each generated token's dense K/V folded in (when folding)
+    want = resa.init_prior(forward(model, ids, lengths), jnp.asarray(lengths))
+    full = forward(model, seq, total)
+    for s in range(steps if fold else 0):
+        keys, values = full.keys, full.values
+        pos = lengths + s
+        for layer in range(model.config.num_layers):
+            want = resa.fold_token(want, layer, keys[layer, np.arange(3), pos],
+                                   values[layer, np.arange(3), pos])
+    np.testing.assert_allclose(np.asarray(prior.lse), np.asarray(want.lse), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(prior.o_est), np.asarray(want.o_est), atol=1e-5)
