@@ -9,6 +9,10 @@ Sparse variant (Kascade's rolling top-k prefill): the chunk's queries form tiles
 tokens; tile t of row b attends to the keys `indices[b, t, h]` (positions before the tile,
 per KV head h) plus its own causal block, positions start + t * tile up to the query's own.
 
+`paged_tile_scores` gives the selection's scores: per tile and KV head, the dense
+post-softmax probabilities of the keys before the tile, summed over the tile's queries and
+the GQA group (Kascade's pooling), from each query's LSE of a dense pass.
+
 Kernel: flash attention on Pallas-Triton. Grid (batch, kv_head, query block x split); each
 program stacks `block_q` query tokens x the GQA group (padded to a power of 2) as the rows of
 one dot, walks its share of the query block's key stream with masked gathers straight from
@@ -191,6 +195,89 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
                             lse.reshape(batch, chunk, q_heads))
 
 
+def _tile_scores_kernel(
+    q_ref,  # [B * C * HQ, D]
+    k_ref,  # [num_pages * HK * P, D]
+    page_table_ref,  # [B, max_pages] int32
+    start_ref,  # [B] int32
+    lengths_ref,  # [B] int32
+    lse_ref,  # [B * C * HQ] f32: each query's log-sum-exp over everything it attends to
+    _,  # the zeros that scores_ref aliases
+    scores_ref,  # [B, tiles, HK, max_pages * P rounded up to block_n] f32, atomic adds
+    *,
+    sm_scale: float,
+    chunk: int,
+    group: int,
+    group_pad: int,
+    kv_heads: int,
+    page_size: int,
+    block_q: int,
+    block_n: int,
+    tile: int,
+    num_splits: int,
+):
+    b, h = pl.program_id(0), pl.program_id(1)
+    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
+    head_dim = q_ref.shape[-1]
+    rows = block_q * group_pad
+    cols = jnp.arange(head_dim)
+    first = qblock * block_q
+    token = first + jnp.arange(rows) // group_pad
+    member = jnp.arange(rows) % group_pad
+    length = jnp.minimum(lengths_ref[b], chunk)
+    row_valid = (token < length) & (member < group)
+    q_row = (b * chunk + token) * (group * kv_heads) + h * group + member
+    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
+    lse = plgpu.load(lse_ref.at[q_row], mask=row_valid, other=0.0)
+    t = lax.div(first, tile)
+    # the keys before the tile, within the page table's span
+    lo = jnp.minimum(start_ref[b] + t * tile, page_table_ref.shape[1] * page_size)
+    total = jnp.where(first < length, pl.cdiv(lo, block_n), 0)
+    per_split = pl.cdiv(total, num_splits)
+    begin = split * per_split
+    end = jnp.minimum(begin + per_split, total)
+    page_shift = page_size.bit_length() - 1
+
+    def body(j, carry):
+        pos = j * block_n + jnp.arange(block_n)
+        valid = pos < lo
+        page = plgpu.load(page_table_ref.at[b, pos >> page_shift], mask=valid, other=0)
+        slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
+        k = plgpu.load(k_ref.at[slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=lax.Precision.HIGHEST) * sm_scale
+        p = jnp.where(row_valid[:, None] & valid[None, :], jnp.exp(s - lse[:, None]), 0.0)
+        # A whole block (the output is padded to whole blocks): columns past lo add 0.
+        plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
+        return carry
+
+    lax.fori_loop(begin, end, body, 0)
+
+
+def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
+                        interpret, block_q, block_n, num_splits, num_warps, num_stages):
+    batch, chunk, q_heads, head_dim = q.shape
+    num_pages, kv_heads, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    tiles = common.cdiv(chunk, tile)
+    span = page_table.shape[1] * page_size
+    shape = (batch, tiles, kv_heads, common.cdiv(span, block_n) * block_n)
+    kernel = functools.partial(
+        _tile_scores_kernel, sm_scale=sm_scale, chunk=chunk, group=group,
+        group_pad=common.next_power_of_2(group), kv_heads=kv_heads, page_size=page_size,
+        block_q=block_q, block_n=block_n, tile=tile, num_splits=num_splits)
+    return common.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, common.cdiv(chunk, block_q) * num_splits),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+        input_output_aliases={6: 0},
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"paged_tile_scores_{block_q=}_{block_n=}_{num_splits=}",
+    )(q.reshape(-1, head_dim), k_pages.reshape(-1, head_dim), page_table, start, lengths,
+      lse.reshape(-1).astype(jnp.float32), jnp.zeros(shape, jnp.float32))[..., :span]
+
+
 def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
                    page_size: int, max_pages: int, dtype) -> dict:
     """Static knobs chosen from the shapes.
@@ -229,6 +316,19 @@ def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_
         raise ValueError(f"num_splits={num_splits!r}: expected an int >= 1")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
+
+
+def _tuning(q, k_pages, page_table, tile, given) -> dict:
+    """`default_tuning` overridden by the knobs given; block_q divides the tile."""
+    batch, chunk, q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    tuning = default_tuning(batch, chunk, q_heads, kv_heads, head_dim, page_size,
+                            page_table.shape[1], q.dtype)
+    tuning.update({k: v for k, v in given.items() if v is not None})
+    if given["block_q"] is None:
+        tuning["block_q"] = math.gcd(tuning["block_q"], tile)
+    _check_tuning(common.next_power_of_2(q_heads // kv_heads), tile, **tuning)
+    return tuning
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile):
@@ -322,21 +422,73 @@ def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, in
         return paged_prefill_attention_reference(
             q, k_pages, v_pages, page_table, start, lengths, indices=indices, count=count,
             tile=tile, sm_scale=sm_scale)
-    batch, chunk, q_heads, head_dim = q.shape
-    _, kv_heads, page_size, _ = k_pages.shape
-    tuning = default_tuning(batch, chunk, q_heads, kv_heads, head_dim, page_size,
-                            page_table.shape[1], q.dtype)
-    given = dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
-                 num_warps=num_warps, num_stages=num_stages)
-    tuning.update({k: v for k, v in given.items() if v is not None})
     if indices is None:  # dense: one tile holds every query block
-        tile = common.next_power_of_2(max(chunk, tuning["block_q"]))
-    elif given["block_q"] is None:
-        tuning["block_q"] = math.gcd(tuning["block_q"], tile)
-    _check_tuning(common.next_power_of_2(q_heads // kv_heads), tile, **tuning)
+        tile = common.next_power_of_2(max(q.shape[1], block_q or 1, 512))
+    tuning = _tuning(q, k_pages, page_table, tile, dict(
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages))
     return _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count,
                            tile=tile, sm_scale=sm_scale,
                            interpret=common.resolve_interpret(interpret), **tuning)
+
+
+def paged_tile_scores(
+    q: jax.Array,  # [B, C, HQ, D]
+    k_pages: jax.Array,  # [num_pages, HK, P, D]
+    page_table: jax.Array,  # [B, max_pages] int32
+    start: jax.Array,  # [B] int32
+    lengths: jax.Array,  # [B] int32
+    lse: jax.Array,  # [B, C, HQ] f32, from `paged_prefill_attention`
+    *,
+    tile: int = 128,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """Kascade's prefill scores: per tile of `tile` queries and KV head, the post-softmax
+    probabilities of the keys before the tile, summed over the tile's valid queries and the
+    KV head's query group -> [B, ceil(C / tile), HK, max_pages * P] f32 (0 at positions at
+    or past the tile's first position start[b] + t * tile).
+
+    The probabilities are exp(q.k * sm_scale - lse) with `lse` each query's log-sum-exp over
+    everything it attends to (the dense prefill's), so they are the dense attention's. The
+    kernel is the prefill kernel's loop without the PV dot, adding each key block's column
+    sums into the output with atomics. Backends and knobs as `paged_prefill_attention`.
+    """
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+    if lse.shape != q.shape[:3]:
+        raise ValueError(f"lse.shape={lse.shape}: expected q.shape[:3]={q.shape[:3]}")
+    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
+                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
+                                        max_group=MAX_GROUP)
+    return _paged_tile_scores(
+        q, k_pages, page_table, start, lengths, lse, tile=tile, sm_scale=sm_scale,
+        backend=common.choose_backend(backend, unsupported), interpret=interpret,
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
+    "num_warps", "num_stages"))
+def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
+                       backend, interpret, block_q, block_n, num_splits, num_warps,
+                       num_stages):
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if backend == "reference":
+        return paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse,
+                                           tile=tile, sm_scale=sm_scale)
+    tuning = _tuning(q, k_pages, page_table, tile, dict(
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages))
+    return _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, tile=tile,
+                               sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
+                               **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "sm_scale"))
@@ -390,3 +542,29 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, le
     out = jnp.einsum("bhcgt,bhtd->bchgd", prob, v, precision=hp)
     return PrefillAttention(out.reshape(q.shape).astype(q.dtype),
                             lse.transpose(0, 2, 1, 3).reshape(batch, chunk, q_heads))
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "sm_scale"))
+def paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse, *,
+                                tile: int = 128, sm_scale: float | None = None) -> jax.Array:
+    """Plain-jnp twin of `paged_tile_scores`, fp32 throughout."""
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+    batch, chunk, q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    span = page_table.shape[1] * page_size
+    tiles = common.cdiv(chunk, tile)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    k = k_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim)
+    qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
+    logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, k.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST) * sm_scale
+    lse = lse.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1).transpose(0, 2, 1, 3)
+    i = jnp.arange(chunk)
+    tile_lo = start[:, None] + (i // tile)[None, :] * tile  # [B, C]
+    keep = ((jnp.arange(span)[None, None, :] < tile_lo[:, :, None])
+            & (i < jnp.minimum(lengths, chunk)[:, None])[:, :, None])  # [B, C, T]
+    prob = jnp.where(keep[:, None, :, None], jnp.exp(logits - lse[..., None]), 0.0)
+    per_query = prob.sum(axis=3)  # [B, HK, C, T]
+    per_query = jnp.pad(per_query, ((0, 0), (0, 0), (0, tiles * tile - chunk), (0, 0)))
+    return per_query.reshape(batch, kv_heads, tiles, tile, span).sum(axis=3).transpose(
+        0, 2, 1, 3)

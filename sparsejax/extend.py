@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsejax import cache as kv
 from sparsejax import resa, selection
 from sparsejax.models import Model, attention_inputs, embed, finish_layer, unembed
-from sparsejax.pallas_kernels import paged_prefill_attention
-from sparsejax.plan import SparsePlan
+from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
+from sparsejax.plan import Role, SparsePlan
 
 
 def held_after(lengths: jax.Array, start: jax.Array, num_tokens: jax.Array) -> jax.Array:
@@ -26,7 +27,7 @@ def held_after(lengths: jax.Array, start: jax.Array, num_tokens: jax.Array) -> j
 
 
 def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax.Array,
-                  num_tokens: jax.Array, *, sums: bool = False):
+                  num_tokens: jax.Array, *, sums: bool = False, plan: SparsePlan | None = None):
     """Every layer for the hidden states h [B, C, H] of tokens at positions start [B] + i,
     the first num_tokens [B] of each row valid (the rest are neither written nor attended).
 
@@ -34,6 +35,11 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     per-page state (Quest's key bounds) recomputed for the pages they touch, lengths
     untouched; with `sums`, the per-layer sums over the valid tokens of the post-RoPE queries
     [L, B, HQ, D] and keys [L, B, HK, D] in f32 (RESA's means), else None.
+
+    Attention is dense, except with a `plan` that has a `prefill_tile` (Kascade's sparse
+    prefill): its SELECT layers attend densely and choose per tile of queries and KV head
+    the top keys before the tile (`paged_tile_scores` -> `selection.select_tiles`); its
+    REUSE layers attend to those keys, through the head map, plus each tile's own block.
     """
     c = model.config
     C = h.shape[1]
@@ -46,15 +52,31 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     pages = jnp.where(valid, pages, k_flat.shape[0])
     filled = held_after(cache.lengths, start, num_tokens)
     state, q_sums, k_sums = cache.state, [], []
+    tile = None if plan is None else plan.prefill_tile
+    head_map = (np.asarray(plan.head_map) if plan is not None and plan.head_map is not None
+                else np.broadcast_to(np.arange(c.num_kv_heads), (c.num_layers, c.num_kv_heads)))
+    sel = None
     for layer in range(c.num_layers):
         lp = jax.tree.map(lambda x: x[layer], model.params["layers"])
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
         k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
+        table = cache.page_table + offset
+        role = None if tile is None else plan.roles[layer]
         with jax.named_scope("attention_prefill"):
-            out = paged_prefill_attention(q, k_flat, v_flat, cache.page_table + offset, start,
-                                          num_tokens).out
+            if role == Role.REUSE:
+                out = paged_prefill_attention(
+                    q, k_flat, v_flat, table, start, num_tokens, tile=tile,
+                    indices=sel.indices[:, :, head_map[layer]],
+                    count=sel.count[:, :, head_map[layer]]).out
+            else:
+                out, lse = paged_prefill_attention(q, k_flat, v_flat, table, start, num_tokens)
+        if role == Role.SELECT:
+            with jax.named_scope("select_tiles"):
+                scores = paged_tile_scores(q, k_flat, table, start, num_tokens, lse, tile=tile)
+                tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
+                sel = selection.select_tiles(plan, scores, tile_lo, cache.capacity)
         h = finish_layer(c, lp, h, out)
         if state is not None and "kmin" in state:
             state = selection.refresh_page_bounds(state, layer, k_flat, offset,
@@ -85,16 +107,24 @@ def extend(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, num_tokens: 
 
 
 def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
-                    lengths: jax.Array, plan: SparsePlan, chunk: int):
+                    lengths: jax.Array, plan: SparsePlan, chunk: int | None):
     """Prefill right-padded prompts [B, T] of `lengths` [B] in chunks of `chunk` tokens, one
     `extend` each (a `lax.scan`), into an empty cache; then the method state from the cache.
 
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache), equal to the
-    one-pass `sparsejax.prefill` up to rounding.
+    one-pass `sparsejax.prefill` up to rounding. With Kascade's sparse prefill (a plan with
+    `prefill_tile`) attention is sparse (see `extend_layers`); chunk (default: the whole
+    prompt) must then be a multiple of the tile, so that tiles start at multiples of it.
     """
+    B, T = input_ids.shape
+    tile = plan.prefill_tile
+    if chunk is None and tile is not None:
+        chunk = -(-T // tile) * tile
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk={chunk!r}: expected an int >= 1 (tokens per prefill step)")
-    B, T = input_ids.shape
+    if tile is not None and chunk % tile:
+        raise ValueError(f"chunk={chunk}: expected a multiple of the sparse prefill's "
+                         f"prefill_tile={tile}")
     kv.check_capacity(cache, T, "the prompt")
     n = -(-T // chunk)
     ids = jnp.pad(input_ids, ((0, 0), (0, n * chunk - T))).reshape(B, n, chunk)
@@ -114,7 +144,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
         num = jnp.clip(lengths - start, 0, chunk)
         h, cache, chunk_sums = extend_layers(model, cache, embed(model, tokens),
                                              jnp.full((B,), start, jnp.int32), num,
-                                             sums=resa_prior)
+                                             sums=resa_prior, plan=plan)
         cache = cache.replace(lengths=jnp.minimum(lengths, start + chunk))
         here = (lengths - 1) // chunk == index      # the row's last prompt token is here
         at = jnp.clip(lengths - 1 - start, 0, chunk - 1)

@@ -37,10 +37,10 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
 
     chunk: None runs the whole prompt in one pass; an int runs it `chunk` tokens at a time
     over the paged cache (`sparsejax.extend.chunked_prefill`: bounded activation memory,
-    the same logits up to rounding).
+    the same logits up to rounding). Kascade's sparse prefill always takes that path.
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache).
     """
-    if chunk is not None:
+    if chunk is not None or plan.prefill_tile is not None:
         return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
     out = forward(model, input_ids, lengths)

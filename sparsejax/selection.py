@@ -106,6 +106,22 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, leng
     return Selection(indices=chosen.indices.reshape(B, G, k), count=chosen.count.reshape(B, G))
 
 
+def select_tiles(plan: SparsePlan, scores: jax.Array, tile_lo: jax.Array,
+                 capacity: int) -> Selection:
+    """Kascade's rolling prefill top-k: per (row, tile, KV head) the best keys before the
+    tile under the selector's budget (counted over the tile_lo [B, tiles] keys before it).
+    scores [B, tiles, HK, T] from `paged_tile_scores` -> indices [B, tiles, HK, k] sorted,
+    -1 padded, and count [B, tiles, HK]."""
+    s = plan.selector
+    B, tiles, G, T = scores.shape
+    valid = jnp.repeat(jnp.clip(tile_lo, 0, T).reshape(-1), G).astype(jnp.int32)
+    rows = scores.reshape(-1, T)
+    k = buffer_size(s, capacity)
+    chosen = topk_select(rows, k, valid=valid, k_row=budget_rows(s, rows, valid, k))
+    return Selection(indices=chosen.indices.reshape(B, tiles, G, k),
+                     count=chosen.count.reshape(B, tiles, G))
+
+
 def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.Array:
     """Per-row budget (units) from the selector's budget rule, capped by the buffer size."""
     b = s.budget

@@ -187,3 +187,55 @@ def test_correction_rewrites_what_dense_prefill_writes(checkpoints, fold):
                                    values[layer, np.arange(3), pos])
     np.testing.assert_allclose(np.asarray(prior.lse), np.asarray(want.lse), atol=1e-5)
     np.testing.assert_allclose(np.asarray(prior.o_est), np.asarray(want.o_est), atol=1e-5)
+
+
+# ---- Kascade's sparse prefill ---------------------------------------------------------------
+def test_kascade_sparse_prefill_full_ratio_is_dense(checkpoints):
+    model = checkpoints["llama-gqa-llama3rope-tied"]
+    ids, lengths = ragged([13, 19, 6], seed=8)
+    empty = kv.allocate(model.config, 3, 24, page_size=4, dtype=jnp.float32)
+    want, want_cache = prefill(model, empty, ids, lengths, plan=dense_plan(model.config, 4))
+    for ratio, close in ((1.0, True), (0.1, False)):
+        plan = as_plan(methods.Kascade(anchor_layers=(0, 1), ratio=ratio, min_k=0,
+                                       sparse_prefill=True, prefill_tile=4), model.config, 4)
+        got, cache = prefill(model, empty, ids, lengths, plan=plan, chunk=8)
+        err = np.abs(np.asarray(got) - np.asarray(want)).max()
+        assert (err <= 1e-4) == close, (ratio, err)
+        if close:
+            assert_same_cache(cache, want_cache, lengths)
+    with pytest.raises(ValueError, match="chunk=6: expected a multiple"):
+        sparsejax.prefill(model, empty, ids, lengths, plan, chunk=6)
+    with pytest.raises(ValueError, match="pooled_all_heads=False"):
+        methods.Kascade(sparse_prefill=True, pooled_all_heads=True)
+
+
+def test_kascade_prefill_selection_is_the_rolling_top_k():
+    """Per tile of queries and KV head, the selected keys are the top 10% (at least min_k)
+    of the keys before the tile by post-softmax probability summed over the tile and group."""
+    from sparsejax.models import ModelConfig
+    from sparsejax.pallas_kernels.prefill_attention import (paged_prefill_attention_reference,
+                                                            paged_tile_scores_reference)
+    from sparsejax.selection import select_tiles
+    from test_prefill_attention import make_case
+
+    tile, min_k = 16, 3
+    args = make_case(11, batch=2, chunk=64, q_heads=8, kv_heads=2, head_dim=64, page_size=8,
+                     max_pages=20, start=[0, 80], lengths=[64, 40], dtype=jnp.float32)
+    q, k, _, page_table, start, lengths = args
+    config = ModelConfig(model_type="llama", vocab_size=8, hidden_size=64, num_layers=2,
+                         num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=8)
+    plan = methods.Kascade(anchor_layers=(0,), ratio=0.1, min_k=min_k, sparse_prefill=True,
+                           prefill_tile=tile).to_plan(config, 8)
+    lse = paged_prefill_attention_reference(*args).lse
+    scores = paged_tile_scores_reference(q, k, page_table, start, lengths, lse, tile=tile)
+    tile_lo = start[:, None] + jnp.arange(4) * tile
+    sel = select_tiles(plan, scores, tile_lo, capacity=160)
+    scores, indices, count = (np.asarray(x) for x in (scores, sel.indices, sel.count))
+    for b in range(2):
+        for t in range(4):
+            lo = int(tile_lo[b, t])
+            for h in range(2):
+                want_k = min(max(lo // 10, min_k), lo)   # floor, as ratio_budget
+                want = np.argsort(-scores[b, t, h, :lo], kind="stable")[:want_k]
+                assert count[b, t, h] == want_k
+                np.testing.assert_array_equal(indices[b, t, h, :want_k], np.sort(want))

@@ -6,7 +6,8 @@ import pytest
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.prefill_attention import (
-    PrefillAttention, paged_prefill_attention, paged_prefill_attention_reference)
+    PrefillAttention, paged_prefill_attention, paged_prefill_attention_reference,
+    paged_tile_scores, paged_tile_scores_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 LSE_ATOL = 1e-4
@@ -174,6 +175,46 @@ def test_full_selection_is_dense(interpret):
     assert_matches(got, paged_prefill_attention_reference(*args), jnp.float32)
 
 
+def numpy_tile_scores(q, k_pages, page_table, start, lengths, lse, tile, sm_scale):
+    """float64: per (row, tile, KV head) the dense probabilities of each key before the
+    tile, summed over the tile's valid queries and the head's query group."""
+    q, k_pages, lse = (np.asarray(x, np.float64) for x in (q, k_pages, lse))
+    batch, chunk, q_heads, _ = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    span = page_table.shape[1] * page_size
+    out = np.zeros((batch, -(-chunk // tile), kv_heads, span))
+    for b in range(batch):
+        for i in range(int(lengths[b])):
+            t = i // tile
+            lo = int(start[b]) + t * tile
+            for h in range(q_heads if lo else 0):
+                keys = np.stack([k_pages[page_table[b, j // page_size], h // group,
+                                         j % page_size] for j in range(lo)])
+                out[b, t, h // group, :lo] += np.exp(keys @ q[b, i, h] * sm_scale - lse[b, i, h])
+    return out
+
+
+@pytest.mark.parametrize("cfg,tile,tuning", [
+    (_case(40, [0, 21], [40, 30], group=4), 16, {}),
+    (_case(70, [5, 64], [70, 33], dtype=jnp.bfloat16, head_dim=128), 32,
+     dict(block_q=16, num_splits=2)),
+])
+def test_tile_scores_match_reference_and_numpy(cfg, tile, tuning, interpret):
+    args = make_case(10, **cfg)
+    q, k, _, page_table, start, lengths = args
+    lse = paged_prefill_attention_reference(*args).lse
+    got = paged_tile_scores(q, k, page_table, start, lengths, lse, tile=tile, backend="pallas",
+                            interpret=interpret, **tuning)
+    want = paged_tile_scores_reference(q, k, page_table, start, lengths, lse, tile=tile)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5 if cfg["dtype"] == jnp.float32 else 1e-2,
+                               atol=1e-5)
+    exact = numpy_tile_scores(q, np.where(np.isnan(k), 0, k), np.asarray(page_table), start,
+                              lengths, lse, tile, 1 / np.sqrt(q.shape[-1]))
+    np.testing.assert_allclose(want, exact, rtol=1e-4, atol=1e-5)
+
+
 def test_negative_controls_fail_the_metric(interpret):
     """Swapped K/V, or a causal mask one position too wide, must fail the tolerances."""
     cfg = _case(20, [0, 11], [20, 20], dtype=jnp.bfloat16)
@@ -256,6 +297,15 @@ def test_lowers_for_cuda(head_dim, page_size, dtype, group, sparse):
         extra = dict(indices=a[6], count=a[7]) if sparse else {}
         return paged_prefill_attention(*a[:6], backend="pallas", interpret=False, **extra)
     assert "triton" in lower_for_cuda(fn, *args)
+
+
+def test_tile_scores_lower_for_cuda():
+    S = jax.ShapeDtypeStruct
+    args = [S((1, 256, 32, 128), jnp.bfloat16), S((80, 8, 16, 128), jnp.bfloat16),
+            S((1, 80), jnp.int32), S((1,), jnp.int32), S((1,), jnp.int32),
+            S((1, 256, 32), jnp.float32)]
+    assert "triton" in lower_for_cuda(
+        lambda *a: paged_tile_scores(*a, backend="pallas", interpret=False), *args)
 
 
 @pytest.mark.gpu
