@@ -47,6 +47,47 @@ class PrefillAttention(NamedTuple):
     lse: jax.Array  # [B, C, HQ] float32, natural log; -inf for queries past the length
 
 
+class _Program(NamedTuple):
+    """What a program of either kernel knows about its rows (traced values)."""
+    b: jax.Array  # batch row
+    h: jax.Array  # KV head
+    split: jax.Array  # key split
+    first: jax.Array  # the block's first query token
+    token: jax.Array  # [rows] query token of each dot row
+    member: jax.Array  # [rows] head within the GQA group
+    length: jax.Array  # valid queries of the row
+    row_valid: jax.Array  # [rows]
+    q_row: jax.Array  # [rows] row of the flattened q / out / lse
+    q: jax.Array  # [rows, D]
+
+
+def _program(q_ref, lengths_ref, *, chunk, group, group_pad, kv_heads, block_q, num_splits):
+    """Grid (batch, kv_head, query block x split). Row r of the dot is query token
+    first + r // group_pad of head h * group + r % group_pad (padded members are masked)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
+    rows = block_q * group_pad
+    first = qblock * block_q
+    token = first + jnp.arange(rows) // group_pad
+    member = jnp.arange(rows) % group_pad
+    length = jnp.minimum(lengths_ref[b], chunk)
+    row_valid = (token < length) & (member < group)
+    q_row = (b * chunk + token) * (group * kv_heads) + h * group + member
+    cols = jnp.arange(q_ref.shape[-1])
+    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
+    return _Program(b, h, split, first, token, member, length, row_valid, q_row, q)
+
+
+def _gather(ref, page_table_ref, b, h, pos, valid, *, kv_heads, page_size):
+    """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at logical positions
+    `pos` of row b, KV head h; masked gathers read nothing where not `valid`."""
+    page = plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)], mask=valid,
+                      other=0)
+    slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
+    cols = jnp.arange(ref.shape[-1])
+    return plgpu.load(ref.at[slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+
+
 def _prefill_kernel(
     q_ref,  # [B * C * HQ, D]: one row per (row, query token, head)
     k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
@@ -71,23 +112,15 @@ def _prefill_kernel(
         indices_ref, count_ref, out_ref, lse_ref = refs
     else:
         out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
-    b, h = pl.program_id(0), pl.program_id(1)
-    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
+    b, h, split, first, token, member, length, row_valid, q_row, q = _program(
+        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
+        block_q=block_q, num_splits=num_splits)
     head_dim = q_ref.shape[-1]
-    num_heads = group * kv_heads
     rows = block_q * group_pad
     cols = jnp.arange(head_dim)
     dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
                             precision=lax.Precision.HIGHEST)
 
-    # Row r of the dot is query token first + r // group_pad of head h * group + r % group_pad.
-    first = qblock * block_q
-    token = first + jnp.arange(rows) // group_pad
-    member = jnp.arange(rows) % group_pad
-    length = jnp.minimum(lengths_ref[b], chunk)
-    row_valid = (token < length) & (member < group)
-    q_row = (b * chunk + token) * num_heads + h * group + member
-    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
     start = start_ref[b]
     q_pos = start + token  # [rows]
     # The block's last valid query; positions past the page table's span are never read.
@@ -109,7 +142,6 @@ def _prefill_kernel(
     per_split = pl.cdiv(total, num_splits)
     begin = split * per_split
     end = jnp.minimum(begin + per_split, total)
-    page_shift = page_size.bit_length() - 1  # page_size is a power of 2
 
     def block_positions(j):
         """Positions [block_n] of stream block j and which of them are attended."""
@@ -128,12 +160,10 @@ def _prefill_kernel(
     def body(j, carry):
         acc, m, l = carry
         pos, valid = block_positions(j)
-        page = plgpu.load(page_table_ref.at[b, pos >> page_shift], mask=valid, other=0)
-        slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
-        kv_index = (slot[:, None], cols[None, :])
-        # Masked gathers: nothing outside the stream is read (unwritten slots stay unread).
-        k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
-        v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
+        # Nothing outside the stream is read (unwritten slots stay unread).
+        gather = functools.partial(_gather, page_table_ref=page_table_ref, b=b, h=h, pos=pos,
+                                   valid=valid, kv_heads=kv_heads, page_size=page_size)
+        k, v = gather(k_ref), gather(v_ref)  # [block_n, D]
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [rows, block_n]
         attend = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         s = jnp.where(attend, s, -jnp.inf)
@@ -216,18 +246,9 @@ def _tile_scores_kernel(
     tile: int,
     num_splits: int,
 ):
-    b, h = pl.program_id(0), pl.program_id(1)
-    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
-    head_dim = q_ref.shape[-1]
-    rows = block_q * group_pad
-    cols = jnp.arange(head_dim)
-    first = qblock * block_q
-    token = first + jnp.arange(rows) // group_pad
-    member = jnp.arange(rows) % group_pad
-    length = jnp.minimum(lengths_ref[b], chunk)
-    row_valid = (token < length) & (member < group)
-    q_row = (b * chunk + token) * (group * kv_heads) + h * group + member
-    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
+    b, h, split, first, _, _, length, row_valid, q_row, q = _program(
+        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
+        block_q=block_q, num_splits=num_splits)
     lse = plgpu.load(lse_ref.at[q_row], mask=row_valid, other=0.0)
     t = lax.div(first, tile)
     # the keys before the tile, within the page table's span
@@ -236,14 +257,12 @@ def _tile_scores_kernel(
     per_split = pl.cdiv(total, num_splits)
     begin = split * per_split
     end = jnp.minimum(begin + per_split, total)
-    page_shift = page_size.bit_length() - 1
 
     def body(j, carry):
         pos = j * block_n + jnp.arange(block_n)
         valid = pos < lo
-        page = plgpu.load(page_table_ref.at[b, pos >> page_shift], mask=valid, other=0)
-        slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
-        k = plgpu.load(k_ref.at[slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        k = _gather(k_ref, page_table_ref, b, h, pos, valid, kv_heads=kv_heads,
+                    page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=lax.Precision.HIGHEST) * sm_scale
         p = jnp.where(row_valid[:, None] & valid[None, :], jnp.exp(s - lse[:, None]), 0.0)
