@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run_device.sh [STEP ...]
 #   steps: tests (kernel tests natively, --gpu; TESTS= overrides the files), topk, decode, sparse, step (decode step of
-#          the whole model), fidelity and calibration (benchmarks/fidelity.py's measurements
+#          the whole model), prefill (prefill attention, sparse prefill, correction), fidelity and calibration (benchmarks/fidelity.py's measurements
 #          of the embedded model, below), all (default: tests topk decode sparse step)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
@@ -77,11 +77,12 @@ for s in "${steps[@]}"; do
   start=$(date +%s)
   case $s in
     tests)  cmd=($PY -m pytest -q -p no:cacheprovider --gpu -n 8 ${TESTS:-tests/test_decode_attention.py
-                 tests/test_sparse_attention.py tests/test_topk.py}) ;;
+                 tests/test_sparse_attention.py tests/test_topk.py tests/test_prefill_attention.py}) ;;
     topk)   cmd=($PY benchmarks/bench_topk.py) ;;
     decode) cmd=($PY benchmarks/bench_decode_attention.py) ;;
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
+    prefill) cmd=($PY benchmarks/bench_prefill.py) ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;
     *) echo "unknown step $s"; exit 2 ;;

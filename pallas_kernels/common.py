@@ -124,6 +124,35 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_power_of_2(name: str, value, lo: int, hi: int) -> None:
+    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name}={value!r}: expected a power of 2 in [{lo}, {hi}]")
+
+
+def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
+    """Checks every paged kernel needs: q [B, ..., HQ, D] against k/v_pages
+    [num_pages, HK, P, D] and page_table int32 [B, max_pages]."""
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages.shape={k_pages.shape}: expected "
+                         "[num_pages, kv_heads, page_size, head_dim]")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
+    batch, q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    _, num_kv_heads, _, k_dim = k_pages.shape
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q.dtype={q.dtype}: expected a floating dtype")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype={x.dtype}: expected q.dtype={q.dtype}")
+    if k_dim != head_dim:
+        raise ValueError(f"k_pages head_dim={k_dim}: expected q's head_dim={head_dim}")
+    if q_heads % num_kv_heads:
+        raise ValueError(f"q_heads={q_heads}: expected a multiple of kv_heads={num_kv_heads}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
+        raise ValueError(f"page_table {page_table.dtype}{list(page_table.shape)}: expected "
+                         f"int32[{batch}, max_pages]")
+
+
 def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     """Combine attention partials computed over disjoint key sets.
 

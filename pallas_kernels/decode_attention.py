@@ -211,14 +211,9 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=2)
 
 
-def _check_power_of_2(name, value, lo, hi):
-    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
-        raise ValueError(f"{name}={value!r}: expected a power of 2 in [{lo}, {hi}]")
-
-
 def _check_tuning(block_n, num_splits, num_warps, num_stages):
-    _check_power_of_2("block_n", block_n, 16, 512)
-    _check_power_of_2("num_warps", num_warps, 1, 16)
+    common.check_power_of_2("block_n", block_n, 16, 512)
+    common.check_power_of_2("num_warps", num_warps, 1, 16)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits={num_splits!r}: expected an int >= 1")
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -231,25 +226,9 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads):
         raise ValueError(f"score={score!r}: expected one of {SCORES}")
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}: expected [batch, q_heads, head_dim]")
-    if k_pages.ndim != 4:
-        raise ValueError(f"k_pages.shape={k_pages.shape}: expected "
-                         "[num_pages, kv_heads, page_size, head_dim]")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
-    batch, q_heads, head_dim = q.shape
-    _, num_kv_heads, _, k_dim = k_pages.shape
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q.dtype={q.dtype}: expected a floating dtype")
-    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}.dtype={x.dtype}: expected q.dtype={q.dtype}")
-    if k_dim != head_dim:
-        raise ValueError(f"k_pages head_dim={k_dim}: expected q's head_dim={head_dim}")
-    if q_heads % num_kv_heads:
-        raise ValueError(f"q_heads={q_heads}: expected a multiple of kv_heads={num_kv_heads}")
-    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
-        raise ValueError(f"page_table {page_table.dtype}{list(page_table.shape)}: expected "
-                         f"int32[{batch}, max_pages]")
+    common.check_paged_cache(q, k_pages, v_pages, page_table)
+    batch = q.shape[0]
+    num_kv_heads = k_pages.shape[1]
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths {lengths.dtype}{list(lengths.shape)}: expected int32[{batch}]")
     if kv_heads is not None and (kv_heads.shape != (num_kv_heads,) or not (

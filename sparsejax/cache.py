@@ -120,10 +120,11 @@ def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
 
 def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: jax.Array,
                 k: jax.Array, v: jax.Array):
-    """Write one token per row into flattened layer pages (see `layer_pages`).
+    """Write tokens into flattened layer pages (see `layer_pages`).
 
-    pages, slots [B] physical addresses already offset to the layer; k, v [B, HK, D].
+    pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
+    Tokens whose page is out of range (>= the number of pages) are dropped.
     """
-    k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype))
-    v_flat = v_flat.at[pages, :, slots].set(v.astype(v_flat.dtype))
+    k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype), mode="drop")
+    v_flat = v_flat.at[pages, :, slots].set(v.astype(v_flat.dtype), mode="drop")
     return k_flat, v_flat

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import cache as kv
+from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.stack import decode_layers, prefill_state
@@ -33,14 +34,19 @@ class Sampling(NamedTuple):
 
 # ---- the two model passes -------------------------------------------------------------------
 def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths: jax.Array,
-            plan: SparsePlan):
+            plan: SparsePlan, chunk: int | None = None):
     """Dense forward over right-padded prompts; writes the pages, computes method state.
 
+    chunk: None runs the whole prompt in one pass; an int runs it `chunk` tokens at a time
+    over the paged cache (`sparsejax.extend.chunked_prefill`: bounded activation memory,
+    the same logits up to rounding). Kascade's sparse prefill always takes that path.
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache). Concrete ids and
     lengths are checked (see `generate`).
     """
     input_ids = token_ids(input_ids, model.config.vocab_size)
     lengths = prompt_lengths(lengths, *input_ids.shape)
+    if chunk is not None or plan.prefill_tile is not None:
+        return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
     out = forward(model, input_ids, lengths)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
@@ -87,7 +93,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
              method=None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              rng: jax.Array | None = None, page_size: int | None = None,
-             return_diagnostics: bool = False) -> GenerateOutput:
+             return_diagnostics: bool = False, prefill_chunk: int | None = None,
+             correct_every: int | None = None) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
     the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
@@ -99,6 +106,10 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
     also returns per decode step and layer: recall, oracle_recall, attn_error (see
     `sparsejax.stack`).
+    `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
+    `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
+    are re-run with dense attention and their K/V (and per-page method state) overwritten
+    (`sparsejax.extend.correct`). Off by default.
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -109,7 +120,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
-                            return_diagnostics=return_diagnostics)
+                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
+                            correct_every=correct_every)
     return _generate(*args, **static)
 
 
@@ -156,7 +168,8 @@ def _right_padded(input_ids, attention_mask):
 
 def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
-             rng=None, page_size=None, return_diagnostics: bool = False):
+             rng=None, page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
+             correct_every=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     if attention_mask is not None:
         if lengths is not None:
@@ -175,6 +188,10 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {model.config.vocab_size}]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
+    if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
+        raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
+    if correct_every is not None and not (isinstance(correct_every, int) and correct_every >= 1):
+        raise ValueError(f"correct_every={correct_every!r}: expected None or an int >= 1")
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
@@ -185,7 +202,8 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
     rng = jax.random.key(0) if rng is None else rng
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
-                  diagnostics=bool(return_diagnostics))
+                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
+                  correct_every=correct_every)
     return (model, input_ids, lengths, rng), static
 
 
@@ -207,13 +225,13 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
-                                             "diagnostics"))
+                                             "diagnostics", "prefill_chunk", "correct_every"))
 def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics):
+              diagnostics, prefill_chunk, correct_every):
     B, T = input_ids.shape
     cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
                         dtype=model.dtype)
-    logits, cache = prefill(model, cache, input_ids, lengths, plan)
+    logits, cache = prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
     is_eos = lambda t: jnp.any(t[:, None] == eos_ids[None, :], axis=-1)  # noqa: E731
@@ -236,6 +254,10 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
         step, tokens, done, num, cache, key, diag = s
         out = decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
         logits, cache = out[0], out[1]
+        if correct_every is not None:   # the cache now holds generated tokens 0 .. step-1
+            recent = jax.lax.dynamic_slice_in_dim(tokens, step - correct_every, correct_every, 1)
+            cache = jax.lax.cond(step % correct_every == 0,
+                                 lambda c: correct(model, c, recent, plan), lambda c: c, cache)
         if diagnostics:
             diag = jax.tree.map(lambda acc, x: acc.at[step - 1].set(x), diag, out[2])
         key, sub = jax.random.split(key)

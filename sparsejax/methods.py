@@ -10,6 +10,7 @@ maps them onto another depth). Token budgets are in tokens and rounded up to the
   TidalDecode(select_layers=(2, 13))       layers 0-1 dense, per-query-head top-k re-selected at 2, 13
   DELTA(delta_layers=(2, 14, 22))          pages chosen by the max over all heads at Δ-layers
   Kascade(anchor_layers=(0, 2, 8, 13, 14)) per-KV-head token top-k at anchors, head-mapped reuse
+                                           (sparse_prefill=True: also per 128-query prefill tile)
   Lychee(retrieval_heads=...)              retrieval heads select per head, sparse heads inherit
   RESA(base, lam=1.0)                      any of the above + the unselected prompt's residual
 """
@@ -267,10 +268,16 @@ class Kascade:
     min_k: int = 128
     head_map: Any = None          # [layers, kv_heads] ints, or None for identity
     pooled_all_heads: bool = False
+    sparse_prefill: bool = False  # the rolling per-tile top-k prefill (Kascade §3.6)
+    prefill_tile: int = 128
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
         _positive("Kascade ratio", self.ratio)
+        _positive("Kascade prefill_tile", self.prefill_tile)
+        if self.sparse_prefill and self.pooled_all_heads:
+            raise ValueError("Kascade sparse_prefill selects per KV head: it needs "
+                             "pooled_all_heads=False")
         if self.ratio > 1:
             raise ValueError(f"Kascade ratio={self.ratio}: expected 0 < ratio <= 1")
         if self.min_k < 0:
@@ -312,7 +319,8 @@ class Kascade:
         score = "all_heads_sum" if self.pooled_all_heads else "group_sum"
         return SparsePlan("kascade", _roles(L, (), anchors), _page_size("Kascade", None, page_size),
                           Selector(score, 1, groups, Ratio(self.ratio, self.min_k)),
-                          head_map=None if self.pooled_all_heads else head_map)
+                          head_map=None if self.pooled_all_heads else head_map,
+                          prefill_tile=self.prefill_tile if self.sparse_prefill else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,9 +133,13 @@ class SparsePlan:
     head_map: tuple[tuple[int, ...], ...] | None = None      # [layers][kv_heads]
     retrieval: tuple[tuple[bool, ...], ...] | None = None    # [layers][kv_heads] (HYBRID)
     residual: Residual | None = None
+    prefill_tile: int | None = None   # Kascade's sparse prefill: queries per selection tile
 
     def __post_init__(self):
         check_page_size(self.page_size)
+        if self.prefill_tile is not None and (not isinstance(self.prefill_tile, int)
+                                              or self.prefill_tile < 1):
+            raise ValueError(f"prefill_tile={self.prefill_tile!r}: expected None or an int >= 1")
         roles = tuple(Role(r) for r in self.roles)
         object.__setattr__(self, "roles", roles)
         sparse = [i for i, r in enumerate(roles) if r in (Role.SELECT, Role.REUSE, Role.HYBRID,

@@ -107,6 +107,22 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, leng
     return Selection(indices=chosen.indices.reshape(B, G, k), count=chosen.count.reshape(B, G))
 
 
+def select_tiles(plan: SparsePlan, scores: jax.Array, tile_lo: jax.Array,
+                 capacity: int) -> Selection:
+    """Kascade's rolling prefill top-k: per (row, tile, KV head) the best keys before the
+    tile under the selector's budget (counted over the tile_lo [B, tiles] keys before it).
+    scores [B, tiles, HK, T] from `paged_tile_scores` -> indices [B, tiles, HK, k] sorted,
+    -1 padded, and count [B, tiles, HK]."""
+    s = plan.selector
+    B, tiles, G, T = scores.shape
+    valid = jnp.repeat(jnp.clip(tile_lo, 0, T).reshape(-1), G).astype(jnp.int32)
+    rows = scores.reshape(-1, T)
+    k = buffer_size(s, capacity)
+    chosen = topk_select(rows, k, valid=valid, k_row=budget_rows(s, rows, valid, k))
+    return Selection(indices=chosen.indices.reshape(B, tiles, G, k),
+                     count=chosen.count.reshape(B, tiles, G))
+
+
 def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.Array:
     """Per-row budget (units) from the selector's budget rule, capped by the buffer size."""
     b = s.budget
@@ -192,6 +208,33 @@ def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
     kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
     kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
     return kmin, kmax
+
+
+def empty_page_bounds(cache: PagedKVCache) -> dict:
+    """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] f32."""
+    shape = cache.k.shape[:3] + cache.k.shape[4:]
+    return {"kmin": jnp.full(shape, jnp.inf, jnp.float32),
+            "kmax": jnp.full(shape, -jnp.inf, jnp.float32)}
+
+
+def refresh_page_bounds(state: dict, layer: int, k_flat: jax.Array, offset: int,
+                        page_table: jax.Array, start: jax.Array, filled: jax.Array,
+                        num_tokens: int) -> dict:
+    """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
+    start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
+    after K/V are overwritten (a running min/max could not forget the old keys).
+    k_flat [L * num_pages, HK, P, D]; `offset` = layer * num_pages."""
+    P, max_pages = k_flat.shape[2], page_table.shape[1]
+    logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
+    touched = (logical * P < filled[:, None]) & (logical < max_pages)
+    phys = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
+    keys = k_flat[offset + phys].astype(jnp.float32)                  # [B, n, HK, P, D]
+    held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
+    lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
+    hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
+    phys = jnp.where(touched, phys, state["kmin"].shape[1])           # dropped by the write
+    return {**state, "kmin": state["kmin"].at[layer, phys].set(lo, mode="drop"),
+            "kmax": state["kmax"].at[layer, phys].set(hi, mode="drop")}
 
 
 def update_state(plan: SparsePlan, state, layer, ctx, k, v, q):

@@ -1,0 +1,218 @@
+"""Prefill over the paged cache on one GPU: attention per layer, whole-model prefill, correction.
+
+1. Prefill attention of one layer at Llama-3.1-8B shapes (32 query / 8 KV heads, d=128,
+   bf16, page size 16, B=1), contexts 8k-128k: ours dense in chunks of 8k tokens, cuDNN
+   `jax.nn.dot_product_attention` on contiguous K/V (the peer), and Kascade's sparse prefill
+   at 10% and 20% weighted as the paper's Table 3: 1/32 layer 0 and 4/32 anchors (dense
+   attention + tile scores + top-k), 27/32 reuse (selected keys + the tile's own block).
+   Floor: causal attention's FLOPs (2 T^2 HQ d for QK and PV) at the bf16 dense peak.
+2. Whole-model prefill (random bf16 weights, Llama-3.1-8B shapes) at 32k and 128k: dense
+   chunked, Kascade sparse prefill, and the one-pass cuDNN prefill.
+3. Cache correction every 32 tokens relative to 32 decode steps (TidalDecode) at 32k, B=16.
+
+  python benchmarks/bench_prefill.py            # on the GPU (an H200: part 3 needs ~85 GB)
+  python benchmarks/bench_prefill.py --smoke    # tiny shapes on CPU (the references)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import harness  # noqa: E402
+
+import sparsejax  # noqa: E402
+from sparsejax import cache as kv  # noqa: E402
+from sparsejax import methods  # noqa: E402
+from sparsejax.extend import correct  # noqa: E402
+from sparsejax.models import ModelConfig, init_params  # noqa: E402
+from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores  # noqa: E402
+from sparsejax.plan import as_plan  # noqa: E402
+from sparsejax.selection import select_tiles  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
+LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
+                num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                rope_theta=500000.0, max_position_embeddings=131072)
+FULL = dict(config=LLAMA_8B, page_size=16, chunk=8192, tile=128,
+            contexts=(8192, 16384, 32768, 65536, 131072), model_contexts=(32768, 131072),
+            correct_context=32768, correct_batch=16, correct_every=32)
+SMOKE = dict(config=dict(LLAMA_8B, vocab_size=97, hidden_size=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=64, intermediate_size=96),
+             page_size=16, chunk=256, tile=64, contexts=(512,), model_contexts=(512,),
+             correct_context=512, correct_batch=2, correct_every=8)
+# Table 3's weighting: layer 0, the other 4 anchors, 27 reuse layers of 32
+WEIGHTS = dict(layer0=1 / 32, anchor=4 / 32, reuse=27 / 32)
+DTYPE = jnp.bfloat16
+
+
+def timer(smoke):
+    if smoke:
+        return functools.partial(harness.time_ms, calls=1, repeats=1, warmup=1)
+    return functools.partial(harness.device_time_ms, calls=5, warmup=2)
+
+
+def attention_floor_ms(context, heads, head_dim):
+    return 2.0 * context * context * heads * head_dim / PEAK_FLOPS * 1e3
+
+
+def paged_layer(key, context, cfg):
+    """One layer's prompt: q [1, T, HQ, D] and a paged cache holding its K/V."""
+    c, p = cfg["config"], cfg["page_size"]
+    kq, kk, kv_, kp = jax.random.split(key, 4)
+    pages = context // p
+    q = jax.random.normal(kq, (1, context, c["num_heads"], c["head_dim"]), DTYPE)
+    k = jax.random.normal(kk, (pages, c["num_kv_heads"], p, c["head_dim"]), DTYPE)
+    v = jax.random.normal(kv_, (pages, c["num_kv_heads"], p, c["head_dim"]), DTYPE)
+    table = jax.random.permutation(kp, pages).astype(jnp.int32)[None]
+    return q, k, v, table
+
+
+def chunked_dense(q, k, v, table, *, chunk):
+    """The whole prompt's attention, one paged_prefill_attention per chunk."""
+    outs = []
+    for s in range(0, q.shape[1], chunk):
+        n = min(chunk, q.shape[1] - s)
+        outs.append(paged_prefill_attention(q[:, s:s + n], k, v, table, jnp.array([s], jnp.int32),
+                                            jnp.array([n], jnp.int32)).out)
+    return jnp.concatenate(outs, axis=1)
+
+
+def anchor_layer(q, k, v, table, *, plan, tile):
+    """Dense attention, the tile scores and the rolling top-k (an anchor layer's work)."""
+    start, length = jnp.zeros((1,), jnp.int32), jnp.array([q.shape[1]], jnp.int32)
+    r = paged_prefill_attention(q, k, v, table, start, length)
+    scores = paged_tile_scores(q, k, table, start, length, r.lse, tile=tile)
+    sel = select_tiles(plan, scores, jnp.arange(scores.shape[1])[None] * tile,
+                       table.shape[1] * k.shape[2])
+    return r.out, sel
+
+
+def reuse_layer(q, k, v, table, indices, count, *, tile):
+    start, length = jnp.zeros((1,), jnp.int32), jnp.array([q.shape[1]], jnp.int32)
+    return paged_prefill_attention(q, k, v, table, start, length, indices=indices, count=count,
+                                   tile=tile).out
+
+
+def layer_rows(cfg, smoke):
+    time = timer(smoke)
+    c, tile = cfg["config"], cfg["tile"]
+    rows = []
+    for context in cfg["contexts"]:
+        q, k, v, table = paged_layer(jax.random.key(context), context, cfg)
+        floor = attention_floor_ms(context, c["num_heads"], c["head_dim"])
+        # cuDNN's contiguous K/V [1, T, HK, D], in position order
+        kc = k[table[0]].transpose(0, 2, 1, 3).reshape(1, context, c["num_kv_heads"], -1)
+        vc = v[table[0]].transpose(0, 2, 1, 3).reshape(1, context, c["num_kv_heads"], -1)
+        cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                          implementation=None if smoke else "cudnn"))
+        cudnn_ms = time(cudnn, q, kc, vc)
+        del kc, vc
+        ours = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"]))
+        ours_ms = time(ours, q, k, v, table)
+        rows.append(harness.row("dense_chunked", context=context, batch=1, ms=ours_ms,
+                                floor=floor, peer="cudnn", peer_ms=cudnn_ms))
+        rows.append(harness.row("cudnn", context=context, batch=1, ms=cudnn_ms, floor=floor,
+                                peer="cudnn", peer_ms=cudnn_ms))
+        for ratio in (0.1, 0.2):
+            config = ModelConfig(**c)
+            plan = methods.Kascade(ratio=ratio, min_k=0, sparse_prefill=True, prefill_tile=tile
+                                   ).scaled_to(config.num_layers).to_plan(config, cfg["page_size"])
+            anchor = jax.jit(functools.partial(anchor_layer, plan=plan, tile=tile))
+            anchor_ms = time(anchor, q, k, v, table)
+            _, sel = anchor(q, k, v, table)
+            reuse = jax.jit(functools.partial(reuse_layer, tile=tile))
+            reuse_ms = time(reuse, q, k, v, table, sel.indices, sel.count)
+            weighted = ((WEIGHTS["layer0"] + WEIGHTS["anchor"]) * anchor_ms
+                        + WEIGHTS["reuse"] * reuse_ms)
+            for case, ms in (("kascade_anchor", anchor_ms), ("kascade_reuse", reuse_ms),
+                             ("kascade_weighted", weighted)):
+                rows.append(harness.row(case, context=context, batch=1, ms=ms, floor=floor,
+                                        peer="cudnn", peer_ms=cudnn_ms, ratio=ratio,
+                                        speedup_vs_cudnn=round(cudnn_ms / ms, 3)))
+        del q, k, v, table
+    return rows
+
+
+def random_model(cfg):
+    config = ModelConfig(**cfg["config"])
+    return sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=DTYPE))
+
+
+def model_rows(model, cfg, smoke):
+    time = timer(smoke)
+    rows = []
+    config = model.config
+    for context in cfg["model_contexts"]:
+        ids = jax.random.randint(jax.random.key(1), (1, context), 0, config.vocab_size)
+        lengths = jnp.array([context], jnp.int32)
+        cache = kv.allocate(config, 1, context, page_size=cfg["page_size"], dtype=DTYPE)
+        kascade = methods.Kascade(ratio=0.1, sparse_prefill=True, prefill_tile=cfg["tile"])
+        runs = {"model_prefill_dense_chunked": (None, cfg["chunk"]),
+                "model_prefill_kascade": (kascade.scaled_to(config.num_layers), cfg["chunk"]),
+                "model_prefill_cudnn_one_pass": (None, None)}
+        times = {}
+        for case, (method, chunk) in runs.items():
+            plan = as_plan(method, config, cfg["page_size"])
+            fn = jax.jit(functools.partial(sparsejax.prefill, plan=plan, chunk=chunk))
+            times[case] = time(fn, model, cache, ids, lengths)
+        for case, ms in times.items():
+            rows.append(harness.row(case, context=context, batch=1, ms=ms,
+                                    peer="model_prefill_dense_chunked",
+                                    peer_ms=times["model_prefill_dense_chunked"]))
+    return rows
+
+
+def correction_rows(model, cfg, smoke):
+    """Correcting N tokens once vs the N decode steps it follows (TidalDecode)."""
+    time = timer(smoke)
+    config, n = model.config, cfg["correct_every"]
+    batch, context = cfg["correct_batch"], cfg["correct_context"]
+    plan = as_plan(methods.TidalDecode(k=max(1, context // 10)).scaled_to(config.num_layers),
+                   config, cfg["page_size"])
+    cache = kv.allocate(config, batch, context + n, page_size=cfg["page_size"], dtype=DTYPE)
+    kk, kv_ = jax.random.split(jax.random.key(2))
+    cache = cache.replace(k=jax.random.normal(kk, cache.k.shape, DTYPE),
+                          v=jax.random.normal(kv_, cache.v.shape, DTYPE),
+                          lengths=jnp.full((batch,), context, jnp.int32))
+    tokens = jax.random.randint(jax.random.key(3), (batch, n), 0, config.vocab_size)
+    step = jax.jit(functools.partial(sparsejax.decode_step, plan=plan))
+    decode_ms = time(step, model, cache, tokens[:, 0])
+    fix = jax.jit(functools.partial(correct, plan=plan))
+    correct_ms = time(fix, model, cache, tokens)
+    return [harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms),
+            harness.row(f"correction_every_{n}", context=context, batch=batch, ms=correct_ms,
+                        peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
+                        share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--parts", default="layer,model,correction")
+    args = parser.parse_args(argv)
+    if not (args.smoke or jax.default_backend() == "gpu"):
+        raise SystemExit("needs a GPU; use --smoke to exercise the script on CPU")
+    cfg = SMOKE if args.smoke else FULL
+    parts = args.parts.split(",")
+    rows = layer_rows(cfg, args.smoke) if "layer" in parts else []
+    if {"model", "correction"} & set(parts):
+        model = random_model(cfg)
+        rows += model_rows(model, cfg, args.smoke) if "model" in parts else []
+        rows += correction_rows(model, cfg, args.smoke) if "correction" in parts else []
+    harness.print_table(rows)
+    if not args.smoke:
+        path = harness.write_results(
+            "prefill", rows, shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
+            weights="kascade_weighted = (1/32 + 4/32) anchor + 27/32 reuse (Kascade Table 3)",
+            floor="causal attention FLOPs 2*T^2*HQ*d at 989 TFLOP/s")
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

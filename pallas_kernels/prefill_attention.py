@@ -1,0 +1,589 @@
+"""Paged prefill attention: C query tokens per row attend causally over a paged KV cache.
+
+Query token i of row b sits at position start[b] + i and attends to every cached position
+<= its own (its K/V, and those of the chunk's earlier tokens, are already in the cache). The
+one multi-token building block: chunked prefill, cache correction (re-running generated
+tokens densely) and the verify step of speculative decoding are all calls of it.
+
+Sparse variant (Kascade's rolling top-k prefill): the chunk's queries form tiles of `tile`
+tokens; tile t of row b attends to the keys `indices[b, t, h]` (positions before the tile,
+per KV head h) plus its own causal block, positions start + t * tile up to the query's own.
+
+`paged_tile_scores` gives the selection's scores: per tile and KV head, the dense
+post-softmax probabilities of the keys before the tile, summed over the tile's queries and
+the GQA group (Kascade's pooling), from each query's LSE of a dense pass.
+
+Kernel: flash attention on Pallas-Triton. Grid (batch, kv_head, query block x split); each
+program stacks `block_q` query tokens x the GQA group (padded to a power of 2) as the rows of
+one dot, walks its share of the query block's key stream with masked gathers straight from
+the cache viewed as [num_pages * HK * P, D] rows (as the decode kernel), keeps an fp32 online
+softmax and writes one (out, lse) partial; `common.merge_partials` combines the splits. The
+key stream is the selected positions (sparse) followed by the key blocks from the tile's
+first position (sparse) or 0 (dense) up to the block's last query.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from sparsejax.pallas_kernels import common
+from sparsejax.pallas_kernels.common import pl, plgpu
+
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (8, 16, 32, 64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_GROUP = 16
+MIN_ROWS = 16  # the smallest Triton dot M: block_q x padded group is at least this
+NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
+
+
+class PrefillAttention(NamedTuple):
+    out: jax.Array  # [B, C, HQ, D] in q's dtype; 0 for queries past the row's length
+    lse: jax.Array  # [B, C, HQ] float32, natural log; -inf for queries past the length
+
+
+class _Program(NamedTuple):
+    """What a program of either kernel knows about its rows (traced values)."""
+    b: jax.Array  # batch row
+    h: jax.Array  # KV head
+    split: jax.Array  # key split
+    first: jax.Array  # the block's first query token
+    token: jax.Array  # [rows] query token of each dot row
+    member: jax.Array  # [rows] head within the GQA group
+    length: jax.Array  # valid queries of the row
+    row_valid: jax.Array  # [rows]
+    q_row: jax.Array  # [rows] row of the flattened q / out / lse
+    q: jax.Array  # [rows, D]
+
+
+def _program(q_ref, lengths_ref, *, chunk, group, group_pad, kv_heads, block_q, num_splits):
+    """Grid (batch, kv_head, query block x split). Row r of the dot is query token
+    first + r // group_pad of head h * group + r % group_pad (padded members are masked)."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
+    rows = block_q * group_pad
+    first = qblock * block_q
+    token = first + jnp.arange(rows) // group_pad
+    member = jnp.arange(rows) % group_pad
+    length = jnp.minimum(lengths_ref[b], chunk)
+    row_valid = (token < length) & (member < group)
+    q_row = (b * chunk + token) * (group * kv_heads) + h * group + member
+    cols = jnp.arange(q_ref.shape[-1])
+    q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
+    return _Program(b, h, split, first, token, member, length, row_valid, q_row, q)
+
+
+def _gather(ref, page_table_ref, b, h, pos, valid, *, kv_heads, page_size):
+    """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at logical positions
+    `pos` of row b, KV head h; masked gathers read nothing where not `valid`."""
+    page = plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)], mask=valid,
+                      other=0)
+    slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
+    cols = jnp.arange(ref.shape[-1])
+    return plgpu.load(ref.at[slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+
+
+def _prefill_kernel(
+    q_ref,  # [B * C * HQ, D]: one row per (row, query token, head)
+    k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
+    v_ref,  # [num_pages * HK * P, D]
+    page_table_ref,  # [B, max_pages] int32
+    start_ref,  # [B] int32 position of each row's first query
+    lengths_ref,  # [B] int32 valid queries per row
+    *refs,  # sparse: indices [B, T, HK, K] int32, count [B, T, HK] int32; then outputs
+    sparse: bool,
+    sm_scale: float,
+    chunk: int,
+    group: int,
+    group_pad: int,
+    kv_heads: int,
+    page_size: int,
+    block_q: int,
+    block_n: int,
+    tile: int,
+    num_splits: int,
+):
+    if sparse:
+        indices_ref, count_ref, out_ref, lse_ref = refs
+    else:
+        out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
+    b, h, split, first, token, member, length, row_valid, q_row, q = _program(
+        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
+        block_q=block_q, num_splits=num_splits)
+    head_dim = q_ref.shape[-1]
+    rows = block_q * group_pad
+    cols = jnp.arange(head_dim)
+    dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
+                            precision=lax.Precision.HIGHEST)
+
+    start = start_ref[b]
+    q_pos = start + token  # [rows]
+    # The block's last valid query; positions past the page table's span are never read.
+    last_pos = jnp.minimum(start + jnp.minimum(first + block_q, length),
+                           page_table_ref.shape[1] * page_size) - 1
+
+    # The key stream: selected blocks (sparse), then the dense key blocks [lo, last_pos].
+    if sparse:
+        t = lax.div(first, tile)
+        lo = start + t * tile
+        count = count_ref[b, t, h]
+        sel_blocks = pl.cdiv(count, block_n)
+    else:
+        lo = 0
+        sel_blocks = 0
+    lo_block = lax.div(lo, block_n)
+    dense_blocks = jnp.where(last_pos >= lo, lax.div(last_pos, block_n) + 1 - lo_block, 0)
+    total = jnp.where(first < length, sel_blocks + dense_blocks, 0)  # no valid query: no work
+    per_split = pl.cdiv(total, num_splits)
+    begin = split * per_split
+    end = jnp.minimum(begin + per_split, total)
+
+    def block_positions(j):
+        """Positions [block_n] of stream block j and which of them are attended."""
+        pos = (lo_block + j - sel_blocks) * block_n + jnp.arange(block_n)
+        valid = (pos >= lo) & (pos <= last_pos)
+        if sparse:
+            slot = j * block_n + jnp.arange(block_n)
+            in_sel = (j < sel_blocks) & (slot < count)
+            chosen = plgpu.load(indices_ref.at[b, t, h, slot], mask=in_sel, other=-1)
+            pos = jnp.where(j < sel_blocks, chosen, pos)
+            # only keys before the tile: the tile's own block is the dense part
+            valid = jnp.where(j < sel_blocks, in_sel & (chosen >= 0) & (chosen < lo)
+                              & (chosen <= last_pos), valid)
+        return pos, valid
+
+    def body(j, carry):
+        acc, m, l = carry
+        pos, valid = block_positions(j)
+        # Nothing outside the stream is read (unwritten slots stay unread).
+        gather = functools.partial(_gather, page_table_ref=page_table_ref, b=b, h=h, pos=pos,
+                                   valid=valid, kv_heads=kv_heads, page_size=page_size)
+        k, v = gather(k_ref), gather(v_ref)  # [block_n, D]
+        s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [rows, block_n]
+        attend = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        s = jnp.where(attend, s, -jnp.inf)
+        # A row may see no key in a block (causal diagonal, padded rows): keep exp finite.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(s - m_safe[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+        return acc, m_new, l
+
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
+
+    # Every existing row is written: queries past the length (and empty splits) get out 0
+    # and lse -inf, the convention of `common.merge_partials`.
+    nonempty = l > 0
+    l_safe = jnp.where(nonempty, l, 1.0)
+    stored = (token < chunk) & (member < group)
+    plgpu.store(out_ref.at[split, q_row[:, None], cols[None, :]], acc / l_safe[:, None],
+                mask=stored[:, None])
+    plgpu.store(lse_ref.at[split, q_row], jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf),
+                mask=stored)
+
+
+def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,
+                    tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
+                    num_stages):
+    batch, chunk, q_heads, head_dim = q.shape
+    num_pages, kv_heads, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    group_pad = common.next_power_of_2(group)
+    sparse = indices is not None
+    # Free reshapes of contiguous arrays: no copy.
+    q_rows = q.reshape(batch * chunk * q_heads, head_dim)
+    k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    num_qblocks = common.cdiv(chunk, block_q)
+    kernel = functools.partial(
+        _prefill_kernel, sparse=sparse, sm_scale=sm_scale, chunk=chunk, group=group,
+        group_pad=group_pad, kv_heads=kv_heads, page_size=page_size, block_q=block_q,
+        block_n=block_n, tile=tile, num_splits=num_splits)
+    extra = (indices, count) if sparse else ()
+    out_part, lse_part = common.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, num_qblocks * num_splits),
+        out_shape=[jax.ShapeDtypeStruct((num_splits, batch * chunk * q_heads, head_dim),
+                                        jnp.float32),
+                   jax.ShapeDtypeStruct((num_splits, batch * chunk * q_heads), jnp.float32)],
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"paged_prefill_attention_{sparse=}_{block_q=}_{block_n=}_{num_splits=}",
+    )(q_rows, k_rows, v_rows, page_table, start, lengths, *extra)
+    out, lse = common.merge_partials(out_part, lse_part, axis=0)
+    return PrefillAttention(out.reshape(q.shape).astype(q.dtype),
+                            lse.reshape(batch, chunk, q_heads))
+
+
+def _tile_scores_kernel(
+    q_ref,  # [B * C * HQ, D]
+    k_ref,  # [num_pages * HK * P, D]
+    page_table_ref,  # [B, max_pages] int32
+    start_ref,  # [B] int32
+    lengths_ref,  # [B] int32
+    lse_ref,  # [B * C * HQ] f32: each query's log-sum-exp over everything it attends to
+    _,  # the zeros that scores_ref aliases
+    scores_ref,  # [B, tiles, HK, max_pages * P rounded up to block_n] f32, atomic adds
+    *,
+    sm_scale: float,
+    chunk: int,
+    group: int,
+    group_pad: int,
+    kv_heads: int,
+    page_size: int,
+    block_q: int,
+    block_n: int,
+    tile: int,
+    num_splits: int,
+):
+    b, h, split, first, _, _, length, row_valid, q_row, q = _program(
+        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
+        block_q=block_q, num_splits=num_splits)
+    lse = plgpu.load(lse_ref.at[q_row], mask=row_valid, other=0.0)
+    t = lax.div(first, tile)
+    # the keys before the tile, within the page table's span
+    lo = jnp.minimum(start_ref[b] + t * tile, page_table_ref.shape[1] * page_size)
+    total = jnp.where(first < length, pl.cdiv(lo, block_n), 0)
+    per_split = pl.cdiv(total, num_splits)
+    begin = split * per_split
+    end = jnp.minimum(begin + per_split, total)
+
+    def body(j, carry):
+        pos = j * block_n + jnp.arange(block_n)
+        valid = pos < lo
+        k = _gather(k_ref, page_table_ref, b, h, pos, valid, kv_heads=kv_heads,
+                    page_size=page_size)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=lax.Precision.HIGHEST) * sm_scale
+        p = jnp.where(row_valid[:, None] & valid[None, :], jnp.exp(s - lse[:, None]), 0.0)
+        # A whole block (the output is padded to whole blocks): columns past lo add 0.
+        plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
+        return carry
+
+    lax.fori_loop(begin, end, body, 0)
+
+
+def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
+                        interpret, block_q, block_n, num_splits, num_warps, num_stages):
+    batch, chunk, q_heads, head_dim = q.shape
+    num_pages, kv_heads, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    tiles = common.cdiv(chunk, tile)
+    span = page_table.shape[1] * page_size
+    shape = (batch, tiles, kv_heads, common.cdiv(span, block_n) * block_n)
+    kernel = functools.partial(
+        _tile_scores_kernel, sm_scale=sm_scale, chunk=chunk, group=group,
+        group_pad=common.next_power_of_2(group), kv_heads=kv_heads, page_size=page_size,
+        block_q=block_q, block_n=block_n, tile=tile, num_splits=num_splits)
+    return common.pallas_call(
+        kernel,
+        grid=(batch, kv_heads, common.cdiv(chunk, block_q) * num_splits),
+        out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
+        input_output_aliases={6: 0},
+        compiler_params=common.triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"paged_tile_scores_{block_q=}_{block_n=}_{num_splits=}",
+    )(q.reshape(-1, head_dim), k_pages.reshape(-1, head_dim), page_table, start, lengths,
+      lse.reshape(-1).astype(jnp.float32), jnp.zeros(shape, jnp.float32))[..., :span]
+
+
+def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
+                   page_size: int, max_pages: int, dtype) -> dict:
+    """Static knobs chosen from the shapes.
+
+    block_q: query tokens per program, so that block_q x the padded GQA group is 64 rows
+      (128 for head_dim <= 64): a flash-attention M tile; at least 16 rows, at most the
+      chunk's next power of 2.
+    block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB).
+    num_splits: split the key stream only when the (batch, kv_head, query block) programs
+      alone leave the GPU idle (short chunks over a long cache: correction, verification):
+      ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
+    num_warps=4, num_stages=2.
+    """
+    group_pad = common.next_power_of_2(q_heads // kv_heads)
+    target_rows = 128 if head_dim <= 64 else 64
+    block_q = max(1, target_rows // group_pad, common.cdiv(MIN_ROWS, group_pad))
+    block_q = min(block_q, max(common.next_power_of_2(chunk), common.cdiv(MIN_ROWS, group_pad)))
+    block_n = 32 if head_dim * jnp.dtype(dtype).itemsize > 256 else 64
+    programs = batch * kv_heads * common.cdiv(chunk, block_q)
+    max_blocks = common.cdiv(max_pages * page_size, block_n)
+    num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
+    return dict(block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=4,
+                num_stages=2)
+
+
+def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_stages):
+    common.check_power_of_2("block_q", block_q, 1, 512)
+    common.check_power_of_2("block_n", block_n, 16, 512)
+    common.check_power_of_2("num_warps", num_warps, 1, 16)
+    if block_q * group_pad < MIN_ROWS:
+        raise ValueError(f"block_q={block_q}: block_q x padded group ({group_pad}) must be at "
+                         f"least {MIN_ROWS} rows")
+    if tile % block_q:
+        raise ValueError(f"block_q={block_q} must divide tile={tile}")
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits={num_splits!r}: expected an int >= 1")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
+
+
+def _tuning(q, k_pages, page_table, tile, given) -> dict:
+    """`default_tuning` overridden by the knobs given; block_q divides the tile."""
+    batch, chunk, q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    tuning = default_tuning(batch, chunk, q_heads, kv_heads, head_dim, page_size,
+                            page_table.shape[1], q.dtype)
+    tuning.update({k: v for k, v in given.items() if v is not None})
+    if given["block_q"] is None:
+        tuning["block_q"] = math.gcd(tuning["block_q"], tile)
+    _check_tuning(common.next_power_of_2(q_heads // kv_heads), tile, **tuning)
+    return tuning
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile):
+    """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
+    if q.ndim != 4:
+        raise ValueError(f"q.shape={q.shape}: expected [batch, chunk, q_heads, head_dim]")
+    common.check_paged_cache(q, k_pages, v_pages, page_table)
+    batch, chunk = q.shape[:2]
+    num_kv_heads = k_pages.shape[1]
+    for name, x in (("start", start), ("lengths", lengths)):
+        if x.shape != (batch,) or x.dtype != jnp.int32:
+            raise ValueError(f"{name} {x.dtype}{list(x.shape)}: expected int32[{batch}]")
+    if not isinstance(tile, int) or tile < 1:
+        raise ValueError(f"tile={tile!r}: expected an int >= 1")
+    if (indices is None) != (count is None):
+        raise ValueError("indices and count: give both (sparse) or neither (dense)")
+    if indices is not None:
+        tiles = common.cdiv(chunk, tile)
+        if (indices.ndim != 4 or indices.shape[:3] != (batch, tiles, num_kv_heads)
+                or indices.dtype != jnp.int32):
+            raise ValueError(f"indices {indices.dtype}{list(indices.shape)}: expected "
+                             f"int32[{batch}, {tiles}, {num_kv_heads}, k] ({tiles} tiles of "
+                             f"{tile} queries)")
+        if count.shape != (batch, tiles, num_kv_heads) or count.dtype != jnp.int32:
+            raise ValueError(f"count {count.dtype}{list(count.shape)}: expected "
+                             f"int32[{batch}, {tiles}, {num_kv_heads}]")
+
+
+def paged_prefill_attention(
+    q: jax.Array,  # [B, C, HQ, D]
+    k_pages: jax.Array,  # [num_pages, HK, P, D]
+    v_pages: jax.Array,  # [num_pages, HK, P, D]
+    page_table: jax.Array,  # [B, max_pages] int32
+    start: jax.Array,  # [B] int32
+    lengths: jax.Array,  # [B] int32
+    *,
+    indices: jax.Array | None = None,  # [B, ceil(C / tile), HK, K] int32
+    count: jax.Array | None = None,  # [B, ceil(C / tile), HK] int32
+    tile: int = 128,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> PrefillAttention:
+    """Causal attention of C query tokens per row over a paged KV cache.
+
+    Query token i of row b sits at position start[b] + i and attends to the cached positions
+    0 .. start[b] + i (token t of row b is `k_pages[page_table[b, t // P], h, t % P]`; query
+    head j reads KV head j // (HQ // HK)). The queries' own K/V must already be written.
+    lengths[b] <= C is the number of valid queries of row b (ragged chunks): query tokens
+    i >= lengths[b] get out 0 and lse -inf, and nothing at or past position
+    start[b] + lengths[b] is read; positions past the page table's span are never read.
+
+    Sparse (indices and count given): the queries form tiles of `tile` tokens; tile t of
+    row b attends, per KV head h, to positions indices[b, t, h, :count[b, t, h]] that lie
+    before the tile (< start[b] + t * tile; others are skipped, as are negative entries),
+    plus its own causal block (start[b] + t * tile up to the query's position). Entries
+    need not be sorted but must be unique.
+
+    backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
+      kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
+      up to 16; other shapes run the reference under "auto" and raise under "pallas".
+    interpret: Pallas interpret mode; None -> on unless a GPU is present.
+    block_q, block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path;
+      None picks `default_tuning`. block_q must divide `tile`.
+    """
+    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile)
+    # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
+    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
+                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
+                                        max_group=MAX_GROUP)
+    return _paged_prefill_attention(
+        q, k_pages, v_pages, page_table, start, lengths, indices, count, tile=tile,
+        sm_scale=sm_scale, backend=common.choose_backend(backend, unsupported),
+        interpret=interpret, block_q=block_q, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
+    "num_warps", "num_stages"))
+def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, indices, count,
+                             *, tile, sm_scale, backend, interpret, block_q, block_n,
+                             num_splits, num_warps, num_stages):
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if backend == "reference":
+        return paged_prefill_attention_reference(
+            q, k_pages, v_pages, page_table, start, lengths, indices=indices, count=count,
+            tile=tile, sm_scale=sm_scale)
+    if indices is None:  # dense: one tile holds every query block
+        tile = common.next_power_of_2(max(q.shape[1], block_q or 1, 512))
+    tuning = _tuning(q, k_pages, page_table, tile, dict(
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages))
+    return _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count,
+                           tile=tile, sm_scale=sm_scale,
+                           interpret=common.resolve_interpret(interpret), **tuning)
+
+
+def paged_tile_scores(
+    q: jax.Array,  # [B, C, HQ, D]
+    k_pages: jax.Array,  # [num_pages, HK, P, D]
+    page_table: jax.Array,  # [B, max_pages] int32
+    start: jax.Array,  # [B] int32
+    lengths: jax.Array,  # [B] int32
+    lse: jax.Array,  # [B, C, HQ] f32, from `paged_prefill_attention`
+    *,
+    tile: int = 128,
+    sm_scale: float | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """Kascade's prefill scores: per tile of `tile` queries and KV head, the post-softmax
+    probabilities of the keys before the tile, summed over the tile's valid queries and the
+    KV head's query group -> [B, ceil(C / tile), HK, max_pages * P] f32 (0 at positions at
+    or past the tile's first position start[b] + t * tile).
+
+    The probabilities are exp(q.k * sm_scale - lse) with `lse` each query's log-sum-exp over
+    everything it attends to (the dense prefill's), so they are the dense attention's. The
+    kernel is the prefill kernel's loop without the PV dot, adding each key block's column
+    sums into the output with atomics. Backends and knobs as `paged_prefill_attention`.
+    """
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+    if lse.shape != q.shape[:3]:
+        raise ValueError(f"lse.shape={lse.shape}: expected q.shape[:3]={q.shape[:3]}")
+    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
+                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
+                                        max_group=MAX_GROUP)
+    return _paged_tile_scores(
+        q, k_pages, page_table, start, lengths, lse, tile=tile, sm_scale=sm_scale,
+        backend=common.choose_backend(backend, unsupported), interpret=interpret,
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
+    "num_warps", "num_stages"))
+def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
+                       backend, interpret, block_q, block_n, num_splits, num_warps,
+                       num_stages):
+    sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
+    if backend == "reference":
+        return paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse,
+                                           tile=tile, sm_scale=sm_scale)
+    tuning = _tuning(q, k_pages, page_table, tile, dict(
+        block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages))
+    return _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, tile=tile,
+                               sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
+                               **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "sm_scale"))
+def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, lengths, *,
+                                      indices: jax.Array | None = None,
+                                      count: jax.Array | None = None, tile: int = 128,
+                                      sm_scale: float | None = None) -> PrefillAttention:
+    """Plain-jnp twin of `paged_prefill_attention`: gathers the pages, fp32 math throughout."""
+    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile)
+    batch, chunk, q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    span = page_table.shape[1] * page_size
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+    def gather(pages):  # -> [B, HK, T, D] f32
+        x = pages[page_table]  # [B, max_pages, HK, P, D]
+        return x.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim).astype(
+            jnp.float32)
+
+    i = jnp.arange(chunk)
+    q_pos = start[:, None] + i[None, :]  # [B, C]
+    key = jnp.arange(span)
+    row_valid = i[None, :] < jnp.minimum(lengths, chunk)[:, None]  # [B, C]
+    causal = key[None, None, :] <= q_pos[:, :, None]  # [B, C, T]
+    attend = jnp.broadcast_to((causal & row_valid[:, :, None])[:, None],
+                              (batch, kv_heads, chunk, span))  # [B, HK, C, T]
+    if indices is not None:
+        tiles = indices.shape[1]
+        tile_lo = start[:, None] + jnp.arange(tiles)[None, :] * tile  # [B, tiles]
+        live = (jnp.arange(indices.shape[-1]) < count[..., None]) & (indices >= 0)
+        chosen = jnp.zeros((batch, tiles, kv_heads, span + 1), bool)
+        b_, t_, h_ = jnp.meshgrid(jnp.arange(batch), jnp.arange(tiles), jnp.arange(kv_heads),
+                                  indexing="ij")
+        chosen = chosen.at[b_[..., None], t_[..., None], h_[..., None],
+                           jnp.where(live, jnp.clip(indices, 0, span - 1), span)].set(True)
+        chosen = chosen[..., :span] & (key < tile_lo[:, :, None, None])
+        own = key[None, None, :] >= tile_lo[:, :, None]  # [B, tiles, T]
+        tile_of = i // tile
+        allowed = (chosen[:, tile_of].transpose(0, 2, 1, 3)
+                   | own[:, tile_of][:, None])  # [B, HK, C, T]
+        attend = attend & allowed
+
+    qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
+    hp = lax.Precision.HIGHEST
+    logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, gather(k_pages), precision=hp) * sm_scale
+    logits = jnp.where(attend[:, :, :, None], logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B, HK, C, G]; -inf for an empty row
+    prob = jnp.where(attend[:, :, :, None], jnp.exp(logits - lse[..., None]), 0.0)
+    # only attended slots are read: unwritten ones may hold anything (NaN included)
+    v = jnp.where(jnp.any(attend, axis=2)[..., None], gather(v_pages), 0.0)
+    out = jnp.einsum("bhcgt,bhtd->bchgd", prob, v, precision=hp)
+    return PrefillAttention(out.reshape(q.shape).astype(q.dtype),
+                            lse.transpose(0, 2, 1, 3).reshape(batch, chunk, q_heads))
+
+
+@functools.partial(jax.jit, static_argnames=("tile", "sm_scale"))
+def paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse, *,
+                                tile: int = 128, sm_scale: float | None = None) -> jax.Array:
+    """Plain-jnp twin of `paged_tile_scores`, fp32 throughout."""
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+    batch, chunk, q_heads, head_dim = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    span = page_table.shape[1] * page_size
+    tiles = common.cdiv(chunk, tile)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    k = k_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim)
+    qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
+    logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, k.astype(jnp.float32),
+                        precision=lax.Precision.HIGHEST) * sm_scale
+    lse = lse.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1).transpose(0, 2, 1, 3)
+    i = jnp.arange(chunk)
+    tile_lo = start[:, None] + (i // tile)[None, :] * tile  # [B, C]
+    keep = ((jnp.arange(span)[None, None, :] < tile_lo[:, :, None])
+            & (i < jnp.minimum(lengths, chunk)[:, None])[:, :, None])  # [B, C, T]
+    prob = jnp.where(keep[:, None, :, None], jnp.exp(logits - lse[..., None]), 0.0)
+    per_query = prob.sum(axis=3)  # [B, HK, C, T]
+    per_query = jnp.pad(per_query, ((0, 0), (0, 0), (0, tiles * tile - chunk), (0, 0)))
+    return per_query.reshape(batch, kv_heads, tiles, tile, span).sum(axis=3).transpose(
+        0, 2, 1, 3)

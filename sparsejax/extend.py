@@ -1,0 +1,181 @@
+"""Several tokens per row over the paged cache: `extend` and chunked `prefill`.
+
+`extend` runs C tokens per row through every layer at positions start .. start + C - 1:
+it writes their K/V into the cache and attends causally to everything cached before them
+with `paged_prefill_attention`. Chunked prefill is a `lax.scan` of extends over the prompt;
+cache correction re-runs generated tokens with it (dense attention, K/V overwritten).
+
+Layers run in a Python loop with static per-layer parameter slices.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsejax import cache as kv
+from sparsejax import resa, selection
+from sparsejax.models import Model, attention_inputs, embed, finish_layer, unembed
+from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
+from sparsejax.plan import Role, SparsePlan
+
+
+def held_after(lengths: jax.Array, start: jax.Array, num_tokens: jax.Array) -> jax.Array:
+    """Tokens each row holds after writing num_tokens at start (a row writing none keeps
+    its length, wherever its start points)."""
+    return jnp.where(num_tokens > 0, jnp.maximum(lengths, start + num_tokens), lengths)
+
+
+def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax.Array,
+                  num_tokens: jax.Array, *, sums: bool = False, plan: SparsePlan | None = None):
+    """Every layer for the hidden states h [B, C, H] of tokens at positions start [B] + i,
+    the first num_tokens [B] of each row valid (the rest are neither written nor attended).
+
+    Returns (h [B, C, H], cache, sums): the cache with the tokens' K/V written and its
+    per-page state (Quest's key bounds) recomputed for the pages they touch, lengths
+    untouched; with `sums`, the per-layer sums over the valid tokens of the post-RoPE queries
+    [L, B, HQ, D] and keys [L, B, HK, D] in f32 (RESA's means), else None.
+
+    Attention is dense, except with a `plan` that has a `prefill_tile` (Kascade's sparse
+    prefill): its SELECT layers attend densely and choose per tile of queries and KV head
+    the top keys before the tile (`paged_tile_scores` -> `selection.select_tiles`); its
+    REUSE layers attend to those keys, through the head map, plus each tile's own block.
+    """
+    c = model.config
+    C = h.shape[1]
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]       # [B, C]
+    valid = jnp.arange(C)[None, :] < num_tokens[:, None]
+    pages, slots = kv.token_address(cache.page_table, jnp.where(valid, positions, 0),
+                                    cache.page_size)
+    k_flat, v_flat = kv.layer_pages(cache.k), kv.layer_pages(cache.v)
+    # invalid tokens point past every layer's pages: the write drops them
+    pages = jnp.where(valid, pages, k_flat.shape[0])
+    filled = held_after(cache.lengths, start, num_tokens)
+    state, q_sums, k_sums = cache.state, [], []
+    tile = None if plan is None else plan.prefill_tile
+    head_map = (np.asarray(plan.head_map) if plan is not None and plan.head_map is not None
+                else np.broadcast_to(np.arange(c.num_kv_heads), (c.num_layers, c.num_kv_heads)))
+    sel = None
+    for layer in range(c.num_layers):
+        lp = jax.tree.map(lambda x: x[layer], model.params["layers"])
+        offset = layer * cache.num_pages
+        with jax.named_scope("qkv"):
+            q, k, v = attention_inputs(c, lp, h, positions)
+        k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
+        table = cache.page_table + offset
+        role = None if tile is None else plan.roles[layer]
+        with jax.named_scope("attention_prefill"):
+            if role == Role.REUSE:
+                out = paged_prefill_attention(
+                    q, k_flat, v_flat, table, start, num_tokens, tile=tile,
+                    indices=sel.indices[:, :, head_map[layer]],
+                    count=sel.count[:, :, head_map[layer]]).out
+            else:
+                out, lse = paged_prefill_attention(q, k_flat, v_flat, table, start, num_tokens)
+        if role == Role.SELECT:
+            with jax.named_scope("select_tiles"):
+                scores = paged_tile_scores(q, k_flat, table, start, num_tokens, lse, tile=tile)
+                tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
+                sel = selection.select_tiles(plan, scores, tile_lo, cache.capacity)
+        h = finish_layer(c, lp, h, out)
+        if state is not None and "kmin" in state:
+            state = selection.refresh_page_bounds(state, layer, k_flat, offset,
+                                                  cache.page_table, start, filled, C)
+        if sums:
+            weight = valid.astype(jnp.float32)
+            q_sums.append(jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight))
+            k_sums.append(jnp.einsum("bcnd,bc->bnd", k.astype(jnp.float32), weight))
+    cache = cache.replace(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape),
+                          state=state)
+    return h, cache, (jnp.stack(q_sums), jnp.stack(k_sums)) if sums else None
+
+
+def extend(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, num_tokens: jax.Array,
+           *, start: jax.Array | None = None):
+    """Run tokens [B, C] (the first num_tokens [B] of each row valid) at positions
+    start .. start + C - 1 (default: cache.lengths, i.e. append). Writes their K/V,
+    overwriting what was there (cache correction, speculative verification), and advances
+    lengths to max(lengths, start + num_tokens).
+
+    Returns (logits [B, C, vocab] f32, cache); logits past a row's num_tokens are garbage.
+    """
+    start = cache.lengths if start is None else jnp.asarray(start, jnp.int32)
+    num_tokens = jnp.asarray(num_tokens, jnp.int32)
+    h, cache, _ = extend_layers(model, cache, embed(model, tokens), start, num_tokens)
+    cache = cache.replace(lengths=held_after(cache.lengths, start, num_tokens))
+    return unembed(model, h), cache
+
+
+def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
+                    lengths: jax.Array, plan: SparsePlan, chunk: int | None):
+    """Prefill right-padded prompts [B, T] of `lengths` [B] in chunks of `chunk` tokens, one
+    `extend` each (a `lax.scan`), into an empty cache; then the method state from the cache.
+
+    Returns (logits [B, vocab] f32 at each row's last prompt token, cache), equal to the
+    one-pass `sparsejax.prefill` up to rounding. With Kascade's sparse prefill (a plan with
+    `prefill_tile`) attention is sparse (see `extend_layers`); chunk (default: the whole
+    prompt) must then be a multiple of the tile, so that tiles start at multiples of it.
+    """
+    B, T = input_ids.shape
+    tile = plan.prefill_tile
+    if chunk is None and tile is not None:
+        chunk = -(-T // tile) * tile
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk={chunk!r}: expected an int >= 1 (tokens per prefill step)")
+    if tile is not None and chunk % tile:
+        raise ValueError(f"chunk={chunk}: expected a multiple of the sparse prefill's "
+                         f"prefill_tile={tile}")
+    kv.check_capacity(cache, T, "the prompt")
+    n = -(-T // chunk)
+    ids = jnp.pad(input_ids, ((0, 0), (0, n * chunk - T))).reshape(B, n, chunk)
+    lengths = lengths.astype(jnp.int32)
+    resa_prior = plan.residual is not None
+    if plan.selector is not None and plan.selector.score == "quest_bound":
+        cache = cache.replace(state=selection.empty_page_bounds(cache))
+    c = model.config
+    last = jnp.zeros((B, c.hidden_size), model.dtype)
+    sums = (jnp.zeros((c.num_layers, B, c.num_heads, c.head_dim), jnp.float32),
+            jnp.zeros((c.num_layers, B, c.num_kv_heads, c.head_dim), jnp.float32))
+
+    def step(carry, xs):
+        cache, last, sums = carry
+        index, tokens = xs
+        start = index * chunk
+        num = jnp.clip(lengths - start, 0, chunk)
+        h, cache, chunk_sums = extend_layers(model, cache, embed(model, tokens),
+                                             jnp.full((B,), start, jnp.int32), num,
+                                             sums=resa_prior, plan=plan)
+        cache = cache.replace(lengths=jnp.minimum(lengths, start + chunk))
+        here = (lengths - 1) // chunk == index      # the row's last prompt token is here
+        at = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+        last = jnp.where(here[:, None], jnp.take_along_axis(h, at[:, None, None], 1)[:, 0], last)
+        if resa_prior:
+            sums = jax.tree.map(jnp.add, sums, chunk_sums)
+        return (cache, last, sums), None
+
+    (cache, last, sums), _ = jax.lax.scan(
+        step, (cache, last, sums), (jnp.arange(n, dtype=jnp.int32), ids.transpose(1, 0, 2)))
+    if resa_prior:
+        mu_q, mu_k = (x / jnp.maximum(lengths, 1)[None, :, None, None].astype(jnp.float32)
+                      for x in sums)
+        cache = cache.replace(state={**(cache.state or {}),
+                                     "prior": resa.prior_from_cache(cache, mu_q, mu_k, lengths)})
+    return unembed(model, last), cache
+
+
+def correct(model: Model, cache: kv.PagedKVCache, tokens: jax.Array,
+            plan: SparsePlan) -> kv.PagedKVCache:
+    """Cache correction: re-run each row's last N tokens [B, N] (positions lengths - N ..
+    lengths - 1, written by sparse decode steps) with dense attention and overwrite their
+    K/V, Quest's bounds of the pages they touch and, when decode tokens are folded into
+    RESA's prior, the prior's lse / o_est (recomputed over the cache)."""
+    N = tokens.shape[1]
+    start = cache.lengths - N
+    _, cache, _ = extend_layers(model, cache, embed(model, tokens), start,
+                                jnp.full_like(start, N))
+    if plan.residual is not None and plan.residual.fold_decode_tokens:
+        prior = cache.state["prior"]
+        fresh = resa.prior_from_cache(cache, prior.mu_q, prior.mu_k, cache.lengths)
+        cache = cache.replace(state={**cache.state, "prior": prior._replace(
+            lse=fresh.lse, o_est=fresh.o_est)})
+    return cache
