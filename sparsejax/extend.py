@@ -15,7 +15,7 @@ import numpy as np
 
 from sparsejax import cache as kv
 from sparsejax import resa, selection
-from sparsejax.models import Model, attention_inputs, embed, finish_layer, unembed
+from sparsejax.models import Model, attention_inputs, embed, finish_layer, layer_params, unembed
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
 from sparsejax.plan import Role, SparsePlan
 
@@ -57,7 +57,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
                 else np.broadcast_to(np.arange(c.num_kv_heads), (c.num_layers, c.num_kv_heads)))
     sel = None
     for layer in range(c.num_layers):
-        lp = jax.tree.map(lambda x: x[layer], model.params["layers"])
+        lp = layer_params(model.params, layer)
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
