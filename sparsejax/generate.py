@@ -1,7 +1,9 @@
-"""Generation as small functions: prefill, decode_step, sample, generate.
+"""Generation as small functions: prefill, decode_step, sample, draft, generate.
 
 `generate` = prefill + a `lax.while_loop` of decode steps, jitted end to end. The sparse
-method (a `SparsePlan`) is a static argument: one compile per (plan, shapes).
+method (a `SparsePlan`) is a static argument: one compile per (plan, shapes). With
+`draft_tokens`, each loop iteration is a round of self-speculative decoding instead
+(`sparsejax.speculative`): the method drafts, dense attention verifies.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import cache as kv
+from sparsejax import selection, speculative
 from sparsejax.extend import chunked_prefill
 from sparsejax.models import Model, embed, forward, unembed
 from sparsejax.plan import SparsePlan, as_plan
@@ -22,6 +25,8 @@ class GenerateOutput(NamedTuple):
     tokens: jax.Array          # [B, max_new_tokens] int32; after EOS, EOS
     num_generated: jax.Array   # [B] int32, counting the EOS token
     diagnostics: dict | None = None  # per step and layer, when asked (see methods docs)
+    drafted: jax.Array | None = None   # [B] int32 tokens drafted (speculative decoding only)
+    accepted: jax.Array | None = None  # [B] int32 of those, accepted by the dense verify
 
 
 class Sampling(NamedTuple):
@@ -68,19 +73,25 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """Greedy at temperature 0; otherwise temperature, then top-k, then top-p (nucleus)."""
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, sampling_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def sampling_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The logits [..., vocab] that temperature > 0 samples from: divided by the temperature,
+    -inf outside the top-k and then outside the top-p nucleus."""
     logits = logits / sampling.temperature
     if sampling.top_k is not None:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         cutoff = jnp.min(jnp.where(mass_before < sampling.top_p, sorted_logits, jnp.inf),
                          axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits
 
 
 # ---- generate -------------------------------------------------------------------------------
@@ -88,7 +99,7 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, rng: jax.Array | None = None,
              page_size: int | None = None, return_diagnostics: bool = False,
-             prefill_chunk: int | None = None) -> GenerateOutput:
+             prefill_chunk: int | None = None, draft_tokens: int | None = None) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`.
 
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
@@ -97,11 +108,15 @@ def generate(model: Model, input_ids, *, lengths=None, max_new_tokens: int, meth
     to the method's own when it selects pages. With `return_diagnostics`, also returns per
     decode step and layer: recall, oracle_recall, attn_error (see `sparsejax.stack`).
     `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
+    `draft_tokens` (γ): lossless mode. The method drafts γ tokens per round and one dense pass
+    over them verifies; the output is dense generation's (token for token when greedy, in
+    distribution when sampling), and `drafted` / `accepted` count the drafts per row.
     """
     args, static = _prepare(model, input_ids, lengths=lengths, max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
-                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk)
+                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
+                            draft_tokens=draft_tokens)
     return _generate(*args, **static)
 
 
@@ -122,7 +137,8 @@ def compile_generate(model: Model, input_ids, **kwargs):
 
 def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None,
              temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None, rng=None,
-             page_size=None, return_diagnostics: bool = False, prefill_chunk=None):
+             page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
+             draft_tokens=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     input_ids = jnp.asarray(input_ids, jnp.int32)
     if input_ids.ndim != 2 or input_ids.shape[1] < 1:
@@ -147,6 +163,11 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
         raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
     if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
         raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
+    if draft_tokens is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
+        raise ValueError(f"draft_tokens={draft_tokens!r}: expected None or an int >= 1")
+    if draft_tokens is not None and return_diagnostics:
+        raise ValueError("return_diagnostics=True with draft_tokens: diagnostics are per "
+                         "decode step of one method; run without draft_tokens for them")
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
@@ -156,17 +177,20 @@ def _prepare(model, input_ids, *, lengths=None, max_new_tokens: int, method=None
     rng = jax.random.key(0) if rng is None else rng
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
-                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk)
+                  diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
+                  draft_tokens=draft_tokens)
     return (model, input_ids, lengths, rng), static
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
-                                             "diagnostics", "prefill_chunk"))
+                                             "diagnostics", "prefill_chunk", "draft_tokens"))
 def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics, prefill_chunk):
+              diagnostics, prefill_chunk, draft_tokens):
     B, T = input_ids.shape
-    cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
-                        dtype=model.dtype)
+    # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
+    # length (rows that finished still run the round's batched compute, unkept)
+    capacity = T + max_new_tokens - 1 + (0 if draft_tokens is None else draft_tokens + 1)
+    cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
     logits, cache = prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
@@ -176,6 +200,9 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
     first = sample(logits, sub, sampling)
     tokens = jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
     done = is_eos(first) if eos else jnp.zeros((B,), bool)
+    if draft_tokens is not None:
+        return _speculative_loop(model, cache, tokens, done, key, plan=plan, sampling=sampling,
+                                 eos_ids=eos_ids if eos else None, draft_tokens=draft_tokens)
     diag = None
     if diagnostics:
         diag = jax.tree.map(lambda x: jnp.zeros((max_new_tokens - 1,) + x.shape, x.dtype),
@@ -202,3 +229,77 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
     state = (jnp.int32(1), tokens, done, jnp.ones((B,), jnp.int32), cache, key, diag)
     _, tokens, _, num, _, _, diag = jax.lax.while_loop(cond, body, state)
     return GenerateOutput(tokens, num, diag)
+
+
+# ---- lossless mode: draft with the method, verify densely -----------------------------------
+def draft(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparsePlan,
+          num_tokens: int, sampling: Sampling, key: jax.Array):
+    """`num_tokens` decode steps with `plan` from tokens [B] (the last accepted ones).
+
+    Returns (drafts [B, num_tokens] int32, the logits they were sampled from [B, num_tokens,
+    vocab] after temperature / top-k / top-p (None when greedy), cache advanced by num_tokens).
+    """
+    def step(carry, key):
+        cache, token = carry
+        logits, cache = decode_step(model, cache, token, plan)
+        if sampling.temperature == 0.0:
+            token = sample(logits, key, sampling)
+            return (cache, token), (token, None)
+        logits = sampling_logits(logits, sampling)
+        token = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return (cache, token), (token, logits)
+
+    (cache, _), (drafts, logits) = jax.lax.scan(step, (cache, tokens),
+                                                jax.random.split(key, num_tokens))
+    return drafts.T, None if logits is None else jnp.moveaxis(logits, 0, 1), cache
+
+
+def _speculative_loop(model, cache, tokens, done, key, *, plan, sampling, eos_ids, draft_tokens):
+    """Rounds of draft + dense verify until every row has its tokens or its EOS.
+
+    tokens [B, max_new] holds each row's first token (from prefill) and padding."""
+    B, max_new = tokens.shape
+    gamma = draft_tokens
+    offsets = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+    num = jnp.ones((B,), jnp.int32)
+    zero = jnp.zeros((B,), jnp.int32)
+
+    def body(s):
+        tokens, num, done, last, cache, key, drafted, accepted = s
+        key, key_draft, key_accept = jax.random.split(key, 3)
+        start, prior_before = cache.lengths, (cache.state or {}).get("prior")
+        drafts, q_logits, cache = draft(model, cache, last, plan, gamma, sampling, key_draft)
+        verified = jnp.concatenate([last[:, None], drafts], axis=1)
+        p_logits, cache = speculative.verify(model, cache, verified, start,
+                                             jnp.where(done, 0, gamma + 1))
+        if sampling.temperature == 0.0:
+            new, n = speculative.accept_greedy(drafts, p_logits)
+        else:
+            new, n = speculative.accept_sampled(drafts, sampling_logits(p_logits, sampling),
+                                                q_logits, key_accept)
+        # keep the accepted drafts and the dense token after them, up to the row's last token
+        # or its first EOS; they enter the cache from `last` on (the final one on the next round)
+        kept = jnp.minimum(n + 1, max_new - num)
+        if eos_ids is not None:
+            hit = jnp.any(new[..., None] == eos_ids, axis=-1) & (offsets < kept[:, None])
+            kept = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, kept)
+        kept = jnp.where(done, 0, kept)
+        cache = cache.replace(lengths=start + kept)
+        cache = cache.replace(state=selection.settle_state(plan, cache, prior_before, start,
+                                                           kept, gamma + 1))
+        at = jnp.where(offsets < kept[:, None], num[:, None] + offsets, max_new)
+        tokens = tokens.at[jnp.arange(B)[:, None], at].set(new, mode="drop")
+        last = jnp.where(kept > 0, jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None],
+                                                       axis=1)[:, 0], last)
+        drafted = drafted + jnp.where(done, 0, gamma)
+        accepted = accepted + jnp.where(done, 0, n)
+        num = num + kept
+        finished = num >= max_new
+        if eos_ids is not None:
+            finished = finished | jnp.any(last[:, None] == eos_ids, axis=-1)
+        return tokens, num, done | finished, last, cache, key, drafted, accepted
+
+    state = (tokens, num, done | (num >= max_new), tokens[:, 0], cache, key, zero, zero)
+    tokens, num, _, _, _, _, drafted, accepted = jax.lax.while_loop(
+        lambda s: ~jnp.all(s[2]), body, state)
+    return GenerateOutput(tokens, num, None, drafted, accepted)
