@@ -254,44 +254,61 @@ def draft(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparseP
     return drafts.T, None if logits is None else jnp.moveaxis(logits, 0, 1), cache
 
 
+def speculative_round(model: Model, cache: kv.PagedKVCache, last: jax.Array, limit: jax.Array,
+                      plan: SparsePlan, sampling: Sampling, key: jax.Array, *, draft_tokens: int,
+                      eos_ids: jax.Array | None = None):
+    """One round of lossless decoding from each row's last accepted token last [B] (not yet
+    in the cache; it goes at position cache.lengths): `plan` drafts `draft_tokens` (γ)
+    tokens, a dense pass verifies them, the dense model's tokens are kept.
+
+    limit [B]: the most tokens a row may keep (0: a finished row, left as it is).
+    Returns (tokens [B, γ + 1], accepted [B] drafts, kept [B], cache): a row's new tokens are
+    tokens[:kept], kept = min(accepted + 1, limit), cut after the first of `eos_ids`; the
+    cache then holds `last` and the first kept - 1 of them (dense K/V), with the method state
+    those alone would have left.
+    """
+    gamma = draft_tokens
+    key_draft, key_accept = jax.random.split(key)
+    start, prior_before = cache.lengths, (cache.state or {}).get("prior")
+    drafts, q_logits, cache = draft(model, cache, last, plan, gamma, sampling, key_draft)
+    p_logits, cache = speculative.verify(model, cache, jnp.concatenate([last[:, None], drafts], 1),
+                                         start, jnp.where(limit > 0, gamma + 1, 0))
+    if sampling.temperature == 0.0:
+        tokens, accepted = speculative.accept_greedy(drafts, p_logits)
+    else:
+        tokens, accepted = speculative.accept_sampled(
+            drafts, sampling_logits(p_logits, sampling), q_logits, key_accept)
+    kept = jnp.minimum(accepted + 1, limit)
+    if eos_ids is not None:
+        hit = (jnp.any(tokens[..., None] == eos_ids, axis=-1)
+               & (jnp.arange(gamma + 1)[None, :] < kept[:, None]))
+        kept = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, kept)
+    cache = cache.replace(lengths=start + kept)
+    cache = cache.replace(state=selection.settle_state(plan, cache, prior_before, start, kept,
+                                                       gamma + 1))
+    return tokens, accepted, kept, cache
+
+
 def _speculative_loop(model, cache, tokens, done, key, *, plan, sampling, eos_ids, draft_tokens):
-    """Rounds of draft + dense verify until every row has its tokens or its EOS.
+    """Rounds of `speculative_round` until every row has its tokens or its EOS.
 
     tokens [B, max_new] holds each row's first token (from prefill) and padding."""
     B, max_new = tokens.shape
-    gamma = draft_tokens
-    offsets = jnp.arange(gamma + 1, dtype=jnp.int32)[None, :]
+    offsets = jnp.arange(draft_tokens + 1, dtype=jnp.int32)[None, :]
     num = jnp.ones((B,), jnp.int32)
     zero = jnp.zeros((B,), jnp.int32)
 
     def body(s):
         tokens, num, done, last, cache, key, drafted, accepted = s
-        key, key_draft, key_accept = jax.random.split(key, 3)
-        start, prior_before = cache.lengths, (cache.state or {}).get("prior")
-        drafts, q_logits, cache = draft(model, cache, last, plan, gamma, sampling, key_draft)
-        verified = jnp.concatenate([last[:, None], drafts], axis=1)
-        p_logits, cache = speculative.verify(model, cache, verified, start,
-                                             jnp.where(done, 0, gamma + 1))
-        if sampling.temperature == 0.0:
-            new, n = speculative.accept_greedy(drafts, p_logits)
-        else:
-            new, n = speculative.accept_sampled(drafts, sampling_logits(p_logits, sampling),
-                                                q_logits, key_accept)
-        # keep the accepted drafts and the dense token after them, up to the row's last token
-        # or its first EOS; they enter the cache from `last` on (the final one on the next round)
-        kept = jnp.minimum(n + 1, max_new - num)
-        if eos_ids is not None:
-            hit = jnp.any(new[..., None] == eos_ids, axis=-1) & (offsets < kept[:, None])
-            kept = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, kept)
-        kept = jnp.where(done, 0, kept)
-        cache = cache.replace(lengths=start + kept)
-        cache = cache.replace(state=selection.settle_state(plan, cache, prior_before, start,
-                                                           kept, gamma + 1))
+        key, sub = jax.random.split(key)
+        new, n, kept, cache = speculative_round(
+            model, cache, last, jnp.where(done, 0, max_new - num), plan, sampling, sub,
+            draft_tokens=draft_tokens, eos_ids=eos_ids)
         at = jnp.where(offsets < kept[:, None], num[:, None] + offsets, max_new)
         tokens = tokens.at[jnp.arange(B)[:, None], at].set(new, mode="drop")
         last = jnp.where(kept > 0, jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None],
                                                        axis=1)[:, 0], last)
-        drafted = drafted + jnp.where(done, 0, gamma)
+        drafted = drafted + jnp.where(done, 0, draft_tokens)
         accepted = accepted + jnp.where(done, 0, n)
         num = num + kept
         finished = num >= max_new

@@ -233,11 +233,13 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
         return None
     state = dict(state)
     filled = start + kept
+    num_layers = cache.k.shape[0]
     if "kmin" in state:
         k_flat = layer_pages(cache.k)
-        for layer in range(cache.k.shape[0]):
-            state = refresh_page_bounds(state, layer, k_flat, layer * cache.num_pages,
-                                        cache.page_table, start, filled, num_tokens)
+        bounds = {"kmin": state["kmin"], "kmax": state["kmax"]}
+        state.update(jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
+            b, layer, k_flat, layer * cache.num_pages, cache.page_table, start, filled,
+            num_tokens), bounds))
     if "prior" in state and plan.residual.fold_decode_tokens:
         offsets = jnp.arange(num_tokens, dtype=jnp.int32)
         positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
@@ -245,10 +247,8 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
         k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
         v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
         valid = offsets[None, :] < kept[:, None]
-        prior = prior_before
-        for layer in range(cache.k.shape[0]):
-            prior = resa.fold_tokens(prior, layer, k[layer], v[layer], valid)
-        state["prior"] = prior
+        state["prior"] = jax.lax.fori_loop(0, num_layers, lambda layer, prior: resa.fold_tokens(
+            prior, layer, k[layer], v[layer], valid), prior_before)
     return state
 
 
