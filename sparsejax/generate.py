@@ -1,7 +1,9 @@
-"""Generation as small functions: prefill, decode_step, sample, generate.
+"""Generation as small functions: prefill, decode_step, sample, draft, generate.
 
 `generate` = prefill + a `lax.while_loop` of decode steps, jitted end to end. The sparse
-method (a `SparsePlan`) is a static argument: one compile per (plan, shapes).
+method (a `SparsePlan`) is a static argument: one compile per (plan, shapes). With
+`draft_tokens`, each loop iteration is a round of self-speculative decoding instead
+(`sparsejax.speculative`): the method drafts, dense attention verifies.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import cache as kv
+from sparsejax import selection, speculative
 from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
@@ -24,6 +27,8 @@ class GenerateOutput(NamedTuple):
     tokens: jax.Array          # [B, max_new_tokens] int32; after EOS, EOS
     num_generated: jax.Array   # [B] int32, counting the EOS token
     diagnostics: dict | None = None  # per step and layer, when asked (see methods docs)
+    drafted: jax.Array | None = None   # [B] int32 tokens drafted (speculative decoding only)
+    accepted: jax.Array | None = None  # [B] int32 of those, accepted by the dense verify
 
 
 class Sampling(NamedTuple):
@@ -73,19 +78,25 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
     """Greedy at temperature 0; otherwise temperature, then top-k, then top-p (nucleus)."""
     if sampling.temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, sampling_logits(logits, sampling), axis=-1).astype(jnp.int32)
+
+
+def sampling_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+    """The logits [..., vocab] that temperature > 0 samples from: divided by the temperature,
+    -inf outside the top-k and then outside the top-p nucleus."""
     logits = logits / sampling.temperature
     if sampling.top_k is not None:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampling.top_p is not None:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         cutoff = jnp.min(jnp.where(mass_before < sampling.top_p, sorted_logits, jnp.inf),
                          axis=-1, keepdims=True)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+    return logits
 
 
 # ---- generate -------------------------------------------------------------------------------
@@ -94,7 +105,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              rng: jax.Array | None = None, page_size: int | None = None,
              return_diagnostics: bool = False, prefill_chunk: int | None = None,
-             correct_every: int | None = None) -> GenerateOutput:
+             correct_every: int | None = None, draft_tokens: int | None = None
+             ) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
     the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
@@ -110,6 +122,9 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
     are re-run with dense attention and their K/V (and per-page method state) overwritten
     (`sparsejax.extend.correct`). Off by default.
+    `draft_tokens` (γ): lossless mode. The method drafts γ tokens per round and one dense pass
+    over them verifies; the output is dense generation's (token for token when greedy, in
+    distribution when sampling), and `drafted` / `accepted` count the drafts per row.
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -121,7 +136,7 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
                             return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
-                            correct_every=correct_every)
+                            correct_every=correct_every, draft_tokens=draft_tokens)
     return _generate(*args, **static)
 
 
@@ -169,7 +184,7 @@ def _right_padded(input_ids, attention_mask):
 def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
              rng=None, page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
-             correct_every=None):
+             correct_every=None, draft_tokens=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     if attention_mask is not None:
         if lengths is not None:
@@ -192,6 +207,11 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
         raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
     if correct_every is not None and not (isinstance(correct_every, int) and correct_every >= 1):
         raise ValueError(f"correct_every={correct_every!r}: expected None or an int >= 1")
+    if draft_tokens is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
+        raise ValueError(f"draft_tokens={draft_tokens!r}: expected None or an int >= 1")
+    if draft_tokens is not None and return_diagnostics:
+        raise ValueError("return_diagnostics=True with draft_tokens: diagnostics are per "
+                         "decode step of one method; run without draft_tokens for them")
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
     plan = as_plan(method, model.config, page_size)
@@ -203,7 +223,7 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
-                  correct_every=correct_every)
+                  correct_every=correct_every, draft_tokens=draft_tokens)
     return (model, input_ids, lengths, rng), static
 
 
@@ -225,12 +245,15 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
-                                             "diagnostics", "prefill_chunk", "correct_every"))
+                                             "diagnostics", "prefill_chunk", "correct_every",
+                                             "draft_tokens"))
 def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics, prefill_chunk, correct_every):
+              diagnostics, prefill_chunk, correct_every, draft_tokens):
     B, T = input_ids.shape
-    cache = kv.allocate(model.config, B, T + max_new_tokens - 1, page_size=plan.page_size,
-                        dtype=model.dtype)
+    # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
+    # length (rows that finished still run the round's batched compute, unkept)
+    capacity = T + max_new_tokens - 1 + (0 if draft_tokens is None else draft_tokens + 1)
+    cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
     logits, cache = prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
@@ -240,6 +263,9 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
     first = sample(logits, sub, sampling)
     tokens = jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
     done = is_eos(first) if eos else jnp.zeros((B,), bool)
+    if draft_tokens is not None:
+        return _speculative_loop(model, cache, tokens, done, key, plan=plan, sampling=sampling,
+                                 eos_ids=eos_ids if eos else None, draft_tokens=draft_tokens)
     diag = None
     if diagnostics:
         diag = jax.tree.map(lambda x: jnp.zeros((max_new_tokens - 1,) + x.shape, x.dtype),
@@ -270,3 +296,94 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
     state = (jnp.int32(1), tokens, done, jnp.ones((B,), jnp.int32), cache, key, diag)
     _, tokens, _, num, _, _, diag = jax.lax.while_loop(cond, body, state)
     return GenerateOutput(tokens, num, diag)
+
+
+# ---- lossless mode: draft with the method, verify densely -----------------------------------
+def draft(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparsePlan,
+          num_tokens: int, sampling: Sampling, key: jax.Array):
+    """`num_tokens` decode steps with `plan` from tokens [B] (the last accepted ones).
+
+    Returns (drafts [B, num_tokens] int32, the logits they were sampled from [B, num_tokens,
+    vocab] after temperature / top-k / top-p (None when greedy), cache advanced by num_tokens).
+    """
+    def step(carry, key):
+        cache, token = carry
+        logits, cache = decode_step(model, cache, token, plan)
+        if sampling.temperature == 0.0:
+            token = sample(logits, key, sampling)
+            return (cache, token), (token, None)
+        logits = sampling_logits(logits, sampling)
+        token = jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+        return (cache, token), (token, logits)
+
+    (cache, _), (drafts, logits) = jax.lax.scan(step, (cache, tokens),
+                                                jax.random.split(key, num_tokens))
+    return drafts.T, None if logits is None else jnp.moveaxis(logits, 0, 1), cache
+
+
+def speculative_round(model: Model, cache: kv.PagedKVCache, last: jax.Array, limit: jax.Array,
+                      plan: SparsePlan, sampling: Sampling, key: jax.Array, *, draft_tokens: int,
+                      eos_ids: jax.Array | None = None):
+    """One round of lossless decoding from each row's last accepted token last [B] (not yet
+    in the cache; it goes at position cache.lengths): `plan` drafts `draft_tokens` (γ)
+    tokens, a dense pass verifies them, the dense model's tokens are kept.
+
+    limit [B]: the most tokens a row may keep (0: a finished row, left as it is).
+    Returns (tokens [B, γ + 1], accepted [B] drafts, kept [B], cache): a row's new tokens are
+    tokens[:kept], kept = min(accepted + 1, limit), cut after the first of `eos_ids`; the
+    cache then holds `last` and the first kept - 1 of them (dense K/V), with the method state
+    those alone would have left.
+    """
+    gamma = draft_tokens
+    key_draft, key_accept = jax.random.split(key)
+    start, prior_before = cache.lengths, (cache.state or {}).get("prior")
+    drafts, q_logits, cache = draft(model, cache, last, plan, gamma, sampling, key_draft)
+    p_logits, cache = speculative.verify(model, cache, jnp.concatenate([last[:, None], drafts], 1),
+                                         start, jnp.where(limit > 0, gamma + 1, 0))
+    if sampling.temperature == 0.0:
+        tokens, accepted = speculative.accept_greedy(drafts, p_logits)
+    else:
+        tokens, accepted = speculative.accept_sampled(
+            drafts, sampling_logits(p_logits, sampling), q_logits, key_accept)
+    kept = jnp.minimum(accepted + 1, limit)
+    if eos_ids is not None:
+        hit = (jnp.any(tokens[..., None] == eos_ids, axis=-1)
+               & (jnp.arange(gamma + 1)[None, :] < kept[:, None]))
+        kept = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, kept)
+    cache = cache.replace(lengths=start + kept)
+    cache = cache.replace(state=selection.settle_state(plan, cache, prior_before, start, kept,
+                                                       gamma + 1))
+    return tokens, accepted, kept, cache
+
+
+def _speculative_loop(model, cache, tokens, done, key, *, plan, sampling, eos_ids, draft_tokens):
+    """Rounds of `speculative_round` until every row has its tokens or its EOS.
+
+    tokens [B, max_new] holds each row's first token (from prefill) and padding."""
+    B, max_new = tokens.shape
+    offsets = jnp.arange(draft_tokens + 1, dtype=jnp.int32)[None, :]
+    num = jnp.ones((B,), jnp.int32)
+    zero = jnp.zeros((B,), jnp.int32)
+
+    def body(s):
+        tokens, num, done, last, cache, key, drafted, accepted = s
+        key, sub = jax.random.split(key)
+        new, n, kept, cache = speculative_round(
+            model, cache, last, jnp.where(done, 0, max_new - num), plan, sampling, sub,
+            draft_tokens=draft_tokens, eos_ids=eos_ids)
+        at = jnp.where(offsets < kept[:, None], num[:, None] + offsets, max_new)
+        tokens = tokens.at[jnp.arange(B)[:, None], at].set(new, mode="drop")
+        last = jnp.where(kept > 0, jnp.take_along_axis(new, jnp.maximum(kept - 1, 0)[:, None],
+                                                       axis=1)[:, 0], last)
+        drafted = drafted + jnp.where(done, 0, draft_tokens)
+        accepted = accepted + jnp.where(done, 0, n)
+        num = num + kept
+        finished = num >= max_new
+        if eos_ids is not None:
+            finished = finished | jnp.any(last[:, None] == eos_ids, axis=-1)
+        return tokens, num, done | finished, last, cache, key, drafted, accepted
+
+    state = (tokens, num, done | (num >= max_new), tokens[:, 0], cache, key, zero, zero)
+    tokens, num, _, _, _, _, drafted, accepted = jax.lax.while_loop(
+        lambda s: ~jnp.all(s[2]), body, state)
+    return GenerateOutput(tokens, num, None, drafted, accepted)

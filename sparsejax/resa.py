@@ -112,11 +112,21 @@ def merge(residual, q: jax.Array, out_sa: jax.Array, lse_sa: jax.Array, partial,
 
 def fold_token(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array) -> Prior:
     """Fold this step's key/value [B, HK, D] into layer `layer`'s prior: O(1) per step."""
+    return fold_tokens(prior, layer, k[:, None], v[:, None])
+
+
+def fold_tokens(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array,
+                valid: jax.Array | None = None) -> Prior:
+    """Fold keys/values k, v [B, C, HK, D] into layer `layer`'s prior, those where valid
+    [B, C] bool (default all): the prior then covers them as if prefilled with them."""
     p = jax.tree.map(lambda x: x[layer], prior)
-    group = p.mu_q.shape[1] // k.shape[1]
-    kf = jnp.repeat(k.astype(jnp.float32), group, axis=1)
-    vf = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    logit = jnp.sum(p.mu_q * kf, axis=-1) / math.sqrt(k.shape[-1])
-    lse = jnp.logaddexp(p.lse, logit)
-    o_est = (jnp.exp(p.lse - lse)[..., None] * p.o_est + jnp.exp(logit - lse)[..., None] * vf)
+    group = p.mu_q.shape[1] // k.shape[2]
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)              # [B, C, HQ, D]
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+    logits = jnp.einsum("bhd,bchd->bch", p.mu_q, kf) / math.sqrt(k.shape[-1])
+    if valid is not None:
+        logits = jnp.where(valid[..., None], logits, -jnp.inf)
+    lse = jnp.logaddexp(p.lse, jax.nn.logsumexp(logits, axis=1))
+    o_est = (jnp.exp(p.lse - lse)[..., None] * p.o_est
+             + jnp.einsum("bch,bchd->bhd", jnp.exp(logits - lse[:, None]), vf))
     return prior._replace(lse=prior.lse.at[layer].set(lse), o_est=prior.o_est.at[layer].set(o_est))

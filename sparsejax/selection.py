@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa
-from sparsejax.cache import PagedKVCache
+from sparsejax.cache import PagedKVCache, layer_pages, token_address
 from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
@@ -222,11 +222,12 @@ def refresh_page_bounds(state: dict, layer: int, k_flat: jax.Array, offset: int,
                         num_tokens: int) -> dict:
     """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
     start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
-    after K/V are overwritten (a running min/max could not forget the old keys).
+    after K/V are overwritten (a running min/max could not forget the old keys), and a page
+    with no position below `filled` is empty again (+inf / -inf: rejected draft tokens).
     k_flat [L * num_pages, HK, P, D]; `offset` = layer * num_pages."""
     P, max_pages = k_flat.shape[2], page_table.shape[1]
     logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
-    touched = (logical * P < filled[:, None]) & (logical < max_pages)
+    touched = logical < max_pages
     phys = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
     keys = k_flat[offset + phys].astype(jnp.float32)                  # [B, n, HK, P, D]
     held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
@@ -235,6 +236,37 @@ def refresh_page_bounds(state: dict, layer: int, k_flat: jax.Array, offset: int,
     phys = jnp.where(touched, phys, state["kmin"].shape[1])           # dropped by the write
     return {**state, "kmin": state["kmin"].at[layer, phys].set(lo, mode="drop"),
             "kmax": state["kmax"].at[layer, phys].set(hi, mode="drop")}
+
+
+def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax.Array,
+                 kept: jax.Array, num_tokens: int):
+    """The state once only the first kept [B] of the num_tokens positions from start [B] are
+    kept, as if only they had been decoded (speculative decoding: drafts folded their own,
+    now overwritten or rejected, tokens). Quest's bounds of the pages those positions touch
+    are recomputed from the cache; RESA's folded prior is `prior_before` (the prior before
+    drafting) with the kept tokens' cached K/V folded in."""
+    state = cache.state
+    if state is None:
+        return None
+    state = dict(state)
+    filled = start + kept
+    num_layers = cache.k.shape[0]
+    if "kmin" in state:
+        k_flat = layer_pages(cache.k)
+        bounds = {"kmin": state["kmin"], "kmax": state["kmax"]}
+        state.update(jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
+            b, layer, k_flat, layer * cache.num_pages, cache.page_table, start, filled,
+            num_tokens), bounds))
+    if "prior" in state and plan.residual.fold_decode_tokens:
+        offsets = jnp.arange(num_tokens, dtype=jnp.int32)
+        positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
+        pages, slots = token_address(cache.page_table, positions, cache.page_size)
+        k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
+        v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
+        valid = offsets[None, :] < kept[:, None]
+        state["prior"] = jax.lax.fori_loop(0, num_layers, lambda layer, prior: resa.fold_tokens(
+            prior, layer, k[layer], v[layer], valid), prior_before)
+    return state
 
 
 def update_state(plan: SparsePlan, state, layer, ctx, k, v, q):
