@@ -172,8 +172,9 @@ def main():
         print("smoke run: results not written")
         return
     path = harness.write_results(
-        "topk_matrix" if args.matrix else "topk", rows, kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise "
-        "search) or rows split across programs (8 radix passes over chunks, one compaction)",
+        "topk_matrix" if args.matrix else "topk", rows,
+        kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search) or rows "
+        "split across programs (8 radix passes over chunks, one compaction)",
         timing="GPU time per call (profiler), lax.top_k likewise",
         sweep=tried, seconds=round(time.perf_counter() - started, 1))
     print(f"wrote {path}")

@@ -432,10 +432,10 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
     Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
       block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
       benchmarks/results/topk.json), num_stages=1.
-    Split path: block_n = columns per program, a power of 2 in [1024, 16384] giving about
-      SPLIT_PROGRAMS programs and at most MAX_CHUNKS chunks per row; block_sel = 512 (a
-      [512, 8] one-hot of bin pairs per histogram step), block_k = the padding slots per program up to
-      1024, num_warps=4, num_stages=1.
+    Split path: block_n = columns per program, for about SPLIT_PROGRAMS programs (1024 to
+      16384 columns, the whole row if shorter) and at most MAX_CHUNKS chunks per row;
+      block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
+      padding slots per program up to 1024, num_warps=4, num_stages=1.
     """
     if split is None:
         split = (block_rows in (None, 1)
