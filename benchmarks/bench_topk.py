@@ -86,7 +86,7 @@ def timed(fn, *args, smoke):
     return harness.device_time_ms(fn, *args)
 
 
-def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started):
+def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, sweep_budget_s):
     scores, valid, k_row, options = make_inputs(num_rows, n, k, forced)
     ref = jax.jit(lambda s, v, kr: topk.topk_select_reference(s, k, valid=v, k_row=kr, **options))(
         scores, valid, k_row)
@@ -100,7 +100,7 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started):
     tried = []
     for tuning in [{}, *sweep]:
         entry = {"case": case, "tuning": tuning or "default"}
-        if tuning and time.perf_counter() - started > SWEEP_BUDGET_S:
+        if tuning and time.perf_counter() - started > sweep_budget_s:
             tried.append({**entry, "skipped": "time budget"})
             continue
         try:
@@ -130,7 +130,8 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started):
 def matrix_cases():
     """The decode matrix's selections, once per (rows, N, k): rows = batch x groups over
     tokens with k = 10% or 4096 (Kascade, Lychee), and over pages of 16 with k = 64 (DELTA,
-    Quest)."""
+    Quest). Where either path could serve (MIN_SPLIT_WIDTH <= N <= RESIDENT_WIDTH) the other
+    path is timed too, the data for `topk.default_tuning`'s rule."""
     seen = set()
     for batch in MATRIX_BATCHES:
         for groups in MATRIX_GROUPS:
@@ -138,10 +139,13 @@ def matrix_cases():
                 for n, k, what in ((tokens, tokens // 10, "10%"), (tokens, 4096, "TopK 4096"),
                                    (tokens // 16, 64, "64 pages")):
                     shape = (batch * groups, n, min(k, n))
-                    if shape not in seen:
-                        seen.add(shape)
-                        yield (f"{shape[0]}x{n} k={shape[2]} (B={batch}, G={groups}, {what})",
-                               *shape, None, False, [])
+                    if shape in seen:
+                        continue
+                    seen.add(shape)
+                    other = [dict(split=not topk.default_tuning(*shape)["split"])]
+                    either = topk.MIN_SPLIT_WIDTH <= n <= topk.RESIDENT_WIDTH
+                    yield (f"{shape[0]}x{n} k={shape[2]} (B={batch}, G={groups}, {what})",
+                           *shape, None, False, other if either else [])
 
 
 def main():
@@ -156,7 +160,8 @@ def main():
     rows, tried = [], []
     cases = SMOKE_CASES if args.smoke else matrix_cases() if args.matrix else CASES
     for spec in cases:
-        row, case_tried = run_case(*spec, smoke=args.smoke, started=started)
+        row, case_tried = run_case(*spec, smoke=args.smoke, started=started,
+                                   sweep_budget_s=float("inf") if args.matrix else SWEEP_BUDGET_S)
         rows.append(row)
         tried += case_tried
         print(f"{row['case']}: {row['ms']} ms (best {row['best_ms']}), "
@@ -172,8 +177,9 @@ def main():
         print("smoke run: results not written")
         return
     path = harness.write_results(
-        "topk_matrix" if args.matrix else "topk", rows, kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise "
-        "search) or rows split across programs (8 radix passes over chunks, one compaction)",
+        "topk_matrix" if args.matrix else "topk", rows,
+        kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search) or rows "
+        "split across programs (8 radix passes over chunks, one compaction)",
         timing="GPU time per call (profiler), lax.top_k likewise",
         sweep=tried, seconds=round(time.perf_counter() - started, 1))
     print(f"wrote {path}")

@@ -65,6 +65,11 @@ RADIX_BINS = 1 << RADIX_BITS
 # Path and chunk rule (`default_tuning`), for a 132-SM H100/H200:
 RESIDENT_WIDTH = 32768         # widest row the per-row path holds in registers (H200 sweep)
 MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nine
+# Keys above which resident rows stay per-row even when few: the split path spends ~3x the
+# arithmetic per key (8 passes of a 16-bin histogram against 32 register-resident counts),
+# which pays only while the per-row path's 32 serial steps leave the GPU idle. An estimate,
+# to be set from `benchmarks/bench_topk.py --matrix`, which times both paths there.
+SPLIT_MAX_KEYS = 1 << 22
 SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
 
@@ -427,20 +432,20 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
     when given are kept (for sweeps) and the knobs that depend on them follow.
 
     split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
-      bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs; never
-      when block_rows > 1 is asked for.
+      bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs and at
+      most SPLIT_MAX_KEYS keys in all; never when block_rows > 1 is asked for.
     Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
       block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
       benchmarks/results/topk.json), num_stages=1.
-    Split path: block_n = columns per program, a power of 2 in [1024, 16384] giving about
-      SPLIT_PROGRAMS programs and at most MAX_CHUNKS chunks per row; block_sel = 512 (a
-      [512, 8] one-hot of bin pairs per histogram step), block_k = the padding slots per program up to
-      1024, num_warps=4, num_stages=1.
+    Split path: block_n = columns per program, for about SPLIT_PROGRAMS programs (1024 to
+      16384 columns, the whole row if shorter) and at most MAX_CHUNKS chunks per row;
+      block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
+      padding slots per program up to 1024, num_warps=4, num_stages=1.
     """
     if split is None:
-        split = (block_rows in (None, 1)
-                 and (n > RESIDENT_WIDTH or (num_rows < 2 * common.NUM_SMS
-                                             and n >= MIN_SPLIT_WIDTH)))
+        few_rows = (num_rows < 2 * common.NUM_SMS and n >= MIN_SPLIT_WIDTH
+                    and num_rows * n <= SPLIT_MAX_KEYS)
+        split = block_rows in (None, 1) and (n > RESIDENT_WIDTH or few_rows)
     n_pow2 = common.next_power_of_2(n)
     if split:
         per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS)

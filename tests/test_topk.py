@@ -335,7 +335,8 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
 
 
 def test_default_tuning_paths():
-    """The rule: split rows wider than the resident width, or few rows of >= 4096 columns."""
+    """The rule: split rows wider than the resident width, or few rows of >= 4096 columns
+    and at most 2**22 keys."""
     assert topk.default_tuning(8, 131072, 13107) == dict(
         split=True, block_rows=1, block_n=2048, block_sel=512, block_k=256, num_warps=4,
         num_stages=1)
@@ -343,6 +344,9 @@ def test_default_tuning_paths():
     assert topk.default_tuning(512, 131072, 13107)["split"]
     assert topk.default_tuning(64, 8192, 64)["split"]
     assert not topk.default_tuning(512, 32768, 3276)["split"]
+    assert topk.default_tuning(128, 32768, 3276)["split"]
+    assert not topk.default_tuning(256, 32768, 3276)["split"]     # 2**23 keys
+    assert not topk.default_tuning(512, 4096, 409)["split"]       # two waves of rows
     assert not topk.default_tuning(2, 2048, 64)["split"]
     assert not topk.default_tuning(8, 131072, 13107, block_rows=2)["split"]
     assert topk.default_tuning(1, 1 << 23, 4096)["block_n"] == 32768  # at most 256 chunks
