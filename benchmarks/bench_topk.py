@@ -153,6 +153,8 @@ def main():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     mode.add_argument("--matrix", action="store_true", help="the decode matrix's shapes")
+    parser.add_argument("--sweep-seconds", type=float, default=SWEEP_BUDGET_S,
+                        help="time after which the remaining sweep configurations are skipped")
     args = parser.parse_args()
     if not args.smoke and jax.default_backend() != "gpu":
         sys.exit("bench_topk needs a GPU (or --smoke for a CPU logic check)")
@@ -161,7 +163,7 @@ def main():
     cases = SMOKE_CASES if args.smoke else matrix_cases() if args.matrix else CASES
     for spec in cases:
         row, case_tried = run_case(*spec, smoke=args.smoke, started=started,
-                                   sweep_budget_s=float("inf") if args.matrix else SWEEP_BUDGET_S)
+                                   sweep_budget_s=float("inf") if args.matrix else args.sweep_seconds)
         rows.append(row)
         tried += case_tried
         print(f"{row['case']}: {row['ms']} ms (best {row['best_ms']}), "
