@@ -175,6 +175,8 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
                       f"floor {r['floor_ms']:7.3f} (x{r['ratio_to_floor']:.2f}) busy "
                       f"{prof['busy_ms']:.3f} launches {prof['launches']:.0f} "
                       f"speedup {r['speedup_vs_dense']}", flush=True)
+            if not smoke:   # what a cut-off run measured is kept
+                harness.write_results("decode_matrix", rows, partial=True, skipped=skipped)
         del model
     return rows, skipped
 

@@ -71,14 +71,16 @@ calibration() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse step)
+[ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse prefill matrix)
 status=0
 for s in "${steps[@]}"; do
   start=$(date +%s)
   case $s in
     tests)  cmd=($PY -m pytest -q -p no:cacheprovider --gpu -n 8 ${TESTS:-tests/test_decode_attention.py
                  tests/test_sparse_attention.py tests/test_topk.py tests/test_prefill_attention.py}) ;;
-    topk)   cmd=($PY benchmarks/bench_topk.py) ;;
+    topk)   cmd=($PY benchmarks/bench_topk.py --sweep-seconds ${TOPK_SWEEP_S:-300}) ;;
+    matrix) cmd=($PY benchmarks/bench_decode_matrix.py) ;;
+    profile) cmd=($PY benchmarks/profile_step.py) ;;
     decode) cmd=($PY benchmarks/bench_decode_attention.py) ;;
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
