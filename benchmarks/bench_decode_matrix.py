@@ -90,8 +90,12 @@ def kv_read_bytes(plan, config, batch: int, context: int) -> int:
 
 
 def cache_shapes(config, plan, batch, context):
-    return jax.eval_shape(lambda: S.random_cache(config, plan, batch, context, EXTRA_STEPS,
-                                                 jax.random.key(1)))
+    """The cache's shapes, or None when `allocate` refuses it (more than the device holds)."""
+    try:
+        return jax.eval_shape(lambda: S.random_cache(config, plan, batch, context, EXTRA_STEPS,
+                                                     jax.random.key(1)))
+    except ValueError:
+        return None
 
 
 def nbytes(tree) -> int:
@@ -142,8 +146,9 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
         for batch in batches:
             for name in methods:
                 plan = plan_for(name, config, max(contexts))
-                fit = [t for t in contexts if weights + nbytes(cache_shapes(config, plan, batch, t))
-                       <= MEMORY_FRACTION * memory]
+                shapes = {t: cache_shapes(config, plan, batch, t) for t in contexts}
+                fit = [t for t in contexts if shapes[t] is not None
+                       and weights + nbytes(shapes[t]) <= MEMORY_FRACTION * memory]
                 skipped += [dict(model=model_name, batch=batch, context=t, method=name)
                             for t in contexts if t not in fit]
                 if fit:
