@@ -1,12 +1,18 @@
 # Two self-sufficient commands: `make demo` and `make test`.
-# Each creates .venv when missing and installs what it needs. The CPU torch wheel 2.13.0 is
-# installed first, so nothing later can pull another (CUDA) torch.
+# Each creates .venv when missing and installs what it needs. Only the tests need torch (the
+# transformers parity references); its CPU build is installed before the test extras, so
+# nothing later can pull a CUDA torch: the exact TORCH_LOCAL wheel when pip finds it without an
+# index (a local wheel folder, e.g. PIP_FIND_LINKS; its dependencies then come from the
+# configured indexes), else the newest from PyTorch's CPU index that meets the minimum.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 BASE := $(VENV)/.installed-base
 TEST := $(VENV)/.installed-test
+TORCH_LOCAL ?= 2.13.0
+TORCH_MIN ?= 2.4
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test clean
 
@@ -14,11 +20,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(BASE): pyproject.toml | $(PY)
-	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	touch $@
 
 $(TEST): pyproject.toml $(BASE)
+	($(PIP) --no-index --no-deps "torch==$(TORCH_LOCAL)" 2>/dev/null \
+		&& $(PIP) "torch==$(TORCH_LOCAL)") \
+		|| $(PIP) "torch>=$(TORCH_MIN)" --index-url $(TORCH_CPU_INDEX)
 	$(PIP) -e '.[test]'
 	touch $@
 

@@ -168,24 +168,24 @@ def time_peers(cfg, context, interpret, smoke):
     return cudnn_ms, gqa_ms, notes
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+def plot(rows, path, device: str) -> None:
+    from matplotlib.ticker import NullLocator
+
+    from sparsejax.plotting import figure, save
+
+    fig, ((ax,),) = figure(figsize=(7, 4.5))
     for case in dict.fromkeys(r["case"] for r in rows):
         pts = sorted((r["context"], r["ms"]) for r in rows if r["case"] == case)
         ax.plot(*zip(*pts), marker="o", label=case)
     floor = sorted({(r["context"], r["floor_ms"]) for r in rows})
     ax.plot(*zip(*floor), "k--", label="HBM floor (4.8 TB/s)")
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms",
-           title=f"paged decode attention, {harness.device_name()}")
+           title=f"paged decode attention, {device}")
     ax.set_xticks([c for c, _ in floor], [f"{c // 1024}k" if c >= 1024 else str(c)
                                           for c, _ in floor])
-    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     out = os.environ.get("OUT")
     if out:
         shutil.copy(path, Path(out) / path.name)
@@ -252,7 +252,7 @@ def main(argv=None):
                                  sweep_context=cfg["tune_context"], failures=failures,
                                  seconds=round(time.perf_counter() - start, 1))
     if rows:
-        plot(rows, path.with_suffix(".png"))
+        plot(rows, path.with_suffix(".png"), harness.device_name())
     harness.print_table(rows)
     print(f"wrote {path}")
     if failures:

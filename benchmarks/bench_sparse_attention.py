@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -424,16 +425,31 @@ def error_row(case, context, batch, error) -> dict:
     return row
 
 
-def plot(rows, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+_VARIANTS = {"": "", "prior": " + RESA prior", "prior_bound": " + RESA prior, per-row bound",
+             "prior@best": " + RESA prior, best tuning"}
+
+
+def case_label(case: str, context: int) -> str:
+    """'lychee/dense2of8+prior', 131072 -> 'Lychee hybrid, 2/8 KV heads dense + RESA prior, 128k'."""
+    family, _, variant = case.partition("+")
+    if family.startswith("lychee/"):
+        dense = re.match(r"lychee/dense(\d+)of(\d+)", family)
+        name = f"Lychee hybrid, {dense[1]}/{dense[2]} KV heads dense"
+        if family.endswith("/no_dense_arg"):
+            name += " (no dense-head input)"
+    else:
+        name = {"kascade": "Kascade reuse layer", "delta": "DELTA layer"}[family]
+    size = f"{context // 1024}k" if context >= 1024 else str(context)
+    return f"{name}{_VARIANTS[variant]}, {size}"
+
+
+def plot(rows, path: Path, device: str, jax_version: str = jax.__version__) -> None:
+    from sparsejax.plotting import figure, save
 
     timed = [r for r in rows if r.get("ratio_to_floor") is not None and "/sweep" not in r["case"]
              and r["case"] != "kascade/xla_gather"]
-    labels = [f"{r['case']} {r['context'] // 1024}k" if r["context"] >= 1024
-              else f"{r['case']} {r['context']}" for r in timed]
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(16, 6))
+    labels = [case_label(r["case"], r["context"]) for r in timed]
+    fig, ((ax0, ax1),) = figure(1, 2, figsize=(16, 6.5))
     ax0.barh(labels, [r["ratio_to_floor"] for r in timed], color="tab:blue")
     ax0.axvline(1.3, color="red", ls="--", label="target 1.3x")
     ax0.set_xlabel("time / HBM floor of the gathered bytes (lower is better)")
@@ -441,13 +457,11 @@ def plot(rows, path: Path) -> None:
     ax1.barh(labels, [r["peer_ms"] / r["ms"] for r in timed], color="tab:green")
     ax1.set_xscale("log")
     ax1.axvline(5, color="red", ls="--", label="lychee target 5x")
-    ax1.set_xlabel("speedup vs cuDNN dense at the same context")
-    ax1.set_yticklabels([])
+    ax1.set_xlabel("speedup vs cuDNN dense at the same context (log scale)")
+    ax1.set_yticks(range(len(labels)), [""] * len(labels))
     ax1.legend()
-    fig.suptitle(f"sparse_decode_attention, {harness.device_name()}, jax {jax.__version__}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.suptitle(f"sparse_decode_attention, {device}, jax {jax_version}")
+    save(fig, path, dpi=110)
 
 
 def main():
@@ -470,12 +484,12 @@ def main():
             bench.rows.append(error_row(family.__name__, None, None, e))
     harness.print_table(bench.rows, COLUMNS)
     if args.smoke:
-        plot(bench.rows, Path(tempfile.mkdtemp()) / f"{NAME}.png")
+        plot(bench.rows, Path(tempfile.mkdtemp()) / f"{NAME}.png", harness.device_name())
         return
     path = harness.write_results(NAME, bench.rows)
-    plot(bench.rows, path.with_suffix(".png"))
+    plot(bench.rows, path.with_suffix(".png"), harness.device_name())
     if os.environ.get("OUT"):
-        plot(bench.rows, Path(os.environ["OUT"], f"{NAME}.png"))
+        plot(bench.rows, Path(os.environ["OUT"], f"{NAME}.png"), harness.device_name())
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -1,6 +1,7 @@
 """Fidelity of the sparse methods on the embedded model (CPU is enough: the model is small).
 
-    python benchmarks/fidelity.py merge A.json B.json ...      -> results/fidelity.json, .png
+    python benchmarks/fidelity.py merge A.json B.json ...      -> results/fidelity.json and
+                                                              fidelity_{accuracy,recall,error}.png
     python benchmarks/fidelity.py resa results/fidelity.json   -> results/resa_error.json
     python benchmarks/fidelity.py gates --gates DIR_4 DIR_8    -> results/gates.json
     python benchmarks/fidelity.py calibration --delta D.json --kascade K.json
@@ -41,6 +42,24 @@ def merge(paths: list[Path]) -> dict:
                calibrated=sorted({c for d in docs for c in d.get("calibrated", [])}),
                merged_from=[p.name for p in paths])
     return out
+
+
+QUESTIONS = {
+    "accuracy": ("accuracy", "How often does each method still answer exactly?"),
+    "recall": ("mean_recall", "How much of dense attention's mass does each method attend to?"),
+    "error": ("mean_attn_error", "How far is each method's attention output from dense, "
+              "and how much does RESA close the gap?"),
+}
+
+
+def plot_questions(doc: dict, directory: Path) -> list[Path]:
+    """One PNG per question: fidelity_accuracy.png, fidelity_recall.png, fidelity_error.png."""
+    from sparsejax import eval as evaluation
+
+    return [evaluation.plot(doc, directory / f"fidelity_{name}.png", metrics=[key],
+                            title=f"{question}\n{Path(doc['model']).name}, {doc['context']} "
+                            f"tokens, {', '.join(doc['tasks'])}; hatched: with RESA")
+            for name, (key, question) in QUESTIONS.items()]
 
 
 def resa_table(fidelity: dict, ratio: float) -> dict:
@@ -147,7 +166,7 @@ def main(argv=None) -> int:
     m = sub.add_parser("merge")
     m.add_argument("inputs", nargs="+", type=Path)
     m.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
-    m.add_argument("--plot", type=Path, default=RESULTS / "fidelity.png")
+    m.add_argument("--plots", type=Path, default=RESULTS, help="directory for the PNGs")
     r = sub.add_parser("resa")
     r.add_argument("fidelity", type=Path)
     r.add_argument("--ratio", type=float, default=0.1)
@@ -172,7 +191,7 @@ def main(argv=None) -> int:
         from sparsejax import eval as evaluation
 
         doc = merge(args.inputs)
-        evaluation.plot(doc, args.plot)
+        plot_questions(doc, args.plots)
         print(evaluation.table(doc))
     elif args.command == "resa":
         doc = resa_table(json.loads(args.fidelity.read_text()), args.ratio)

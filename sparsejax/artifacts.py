@@ -264,7 +264,8 @@ def _from_reference(path: Path, threshold: float) -> dict:
         import torch
     except ImportError:
         raise ValueError(f"reading {path} (the reference code's torch gates) needs torch: "
-                         "pip install torch") from None
+                         "pip install torch --index-url "
+                         "https://download.pytorch.org/whl/cpu") from None
 
     directory = path.parent
 

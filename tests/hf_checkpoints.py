@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+NEEDS_TORCH = "the transformers parity references need torch: pip install -e '.[test]'"
 
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2)
@@ -23,7 +26,7 @@ CASES = {
 
 def build(name: str, path, seed: int = 0, **overrides):
     """Save case `name` to `path`; returns the fp32 torch model (eval mode)."""
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
     import transformers
 
     cls_name, case_kw, save_kw = CASES[name]
@@ -38,7 +41,7 @@ def build(name: str, path, seed: int = 0, **overrides):
 
 
 def torch_logits(model, ids: np.ndarray) -> np.ndarray:
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
     with torch.no_grad():
         return model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()

@@ -17,7 +17,7 @@ from sparsejax.models import ModelConfig, init_params
 from sparsejax.models.decoder import cast_params
 from sparsejax.train import calibrate as C
 
-from hf_checkpoints import build
+from hf_checkpoints import NEEDS_TORCH, build
 
 TINY = dict(model_type="llama", vocab_size=97, hidden_size=64, num_layers=4, num_heads=4,
             num_kv_heads=2, head_dim=16, intermediate_size=96)
@@ -153,7 +153,7 @@ def torch_decode_maps(torch_model, model, ids, lengths, steps):
     """Per prompt, from transformers on prompt + the greedy tokens: every layer's attention
     probabilities [L, HQ, steps, S], inputs and attention outputs [L, steps, H] at the decode
     queries (decode step s's query is the token at position length + s)."""
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
     tokens = np.asarray(sparsejax.generate(model, ids, lengths=lengths,
                                            max_new_tokens=steps).tokens)

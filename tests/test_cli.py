@@ -187,3 +187,32 @@ def test_readme_commands_run_as_written(capsys, tmp_path):
     assert rc == 0 and json.loads((tmp_path / "calib.json").read_text())["method"] == "kascade"
     assert (tmp_path / "plots" / "kascade_layer_similarity.png").stat().st_size > 0
     # train-gates and pretrain run through their CLIs in test_gates.py and test_pretrain.py
+
+
+def test_importing_and_plotting_leave_global_state_alone(tmp_path):
+    """No warning filter added at import, and plotting leaves the user's backend (a notebook's,
+    here svg) as it was."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import warnings
+before = list(warnings.filters)
+import matplotlib
+backend = matplotlib.get_backend()
+import sparsejax
+from sparsejax import eval as evaluation
+added = [f for f in warnings.filters if f not in before and "riton" in str(f[1])]
+assert not added, added
+doc = {{"model": None, "tasks": ["niah"], "context": 8, "results": [
+    dict(task="niah", method=m, budget_ratio=0.1, accuracy=a, mean_recall=r,
+         mean_attn_error=e, tokens_per_s=None)
+    for m, a, r, e in (("dense", 1, 1, 0), ("delta", 0.5, 0.4, 0.6), ("delta+resa", 1, 0.4, 0.1))]}}
+evaluation.plot(doc, {str(tmp_path / "p.png")!r})
+assert backend == "svg" and matplotlib.get_backend() == backend, matplotlib.get_backend()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "MPLBACKEND": "svg"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,7 +8,7 @@ import sparsejax
 from sparsejax import cache as kv
 from sparsejax.plan import dense_plan
 
-from hf_checkpoints import build
+from hf_checkpoints import NEEDS_TORCH, build
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def ragged(lengths, vocab=97, seed=0):
 
 @pytest.mark.parametrize("which", ["llama", "qwen3"])
 def test_greedy_matches_transformers(request, which):
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
     model, torch_model = request.getfixturevalue(which)
     ids, lengths = ragged([5, 19, 11])

@@ -10,7 +10,7 @@ import pytest
 import sparsejax
 from sparsejax.models import ModelConfig
 
-from hf_checkpoints import CASES, build, torch_logits
+from hf_checkpoints import CASES, NEEDS_TORCH, build, torch_logits
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_bf16_load_close_to_fp32(checkpoints):
 
 
 def test_save_pretrained_round_trip_loads_in_transformers(checkpoints, tmp_path):
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
     import transformers
 
     path, _ = checkpoints["qwen3-qknorm-headdim48"]

@@ -12,6 +12,8 @@ import pytest
 import sparsejax
 from sparsejax.train import data, pretrain, tokenizer
 
+from hf_checkpoints import NEEDS_TORCH
+
 STEPS = 6
 
 
@@ -91,7 +93,7 @@ def test_resume_equals_uninterrupted(small, first_run):
 
 
 def test_export_loads_in_sparsejax_and_transformers(small, first_run, tmp_path):
-    import torch
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run, _ = first_run

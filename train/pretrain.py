@@ -800,7 +800,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sparsejax.train.pretrain")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
-    args = parser.parse_args(["pretrain", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        args = parser.parse_args(["pretrain", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as e:         # argparse has printed the usage error
+        return e.code
     try:
         return args.func(args)
     except ValueError as e:
