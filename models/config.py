@@ -161,7 +161,8 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None if rope_type == "default" else {"rope_type": rope_type, **params},
+            "rope_scaling": None if rope_type == "default" else {"rope_type": rope_type,
+                                                                  **dict(params)},
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,

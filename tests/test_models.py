@@ -57,6 +57,11 @@ def test_save_pretrained_round_trip_loads_in_transformers(checkpoints, tmp_path)
     path, _ = checkpoints["qwen3-qknorm-headdim48"]
     model = sparsejax.from_pretrained(path, dtype=jnp.float32)
     sparsejax.save_pretrained(model, tmp_path / "out", max_shard_bytes=30_000)
+    # a llama3 RoPE config writes its rope_scaling and reads back the same
+    llama, _ = checkpoints["llama-gqa-llama3rope-tied"]
+    llama = sparsejax.from_pretrained(llama, dtype=jnp.float32)
+    sparsejax.save_pretrained(llama, tmp_path / "llama")
+    assert sparsejax.from_pretrained(tmp_path / "llama").config == llama.config
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                               dtype=torch.float32)
