@@ -47,6 +47,28 @@ class PrefillAttention(NamedTuple):
     lse: jax.Array  # [B, C, HQ] float32, natural log; -inf for queries past the length
 
 
+class _Static(NamedTuple):
+    """Static shapes and knobs both kernels are specialised on."""
+    sm_scale: float
+    chunk: int
+    group: int
+    group_pad: int  # the GQA group padded to a power of 2
+    kv_heads: int
+    page_size: int
+    block_q: int
+    block_n: int
+    tile: int
+    num_splits: int
+
+
+def _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits) -> _Static:
+    _, chunk, q_heads, _ = q.shape
+    _, kv_heads, page_size, _ = k_pages.shape
+    group = q_heads // kv_heads
+    return _Static(sm_scale, chunk, group, common.next_power_of_2(group), kv_heads, page_size,
+                   block_q, block_n, tile, num_splits)
+
+
 class _Program(NamedTuple):
     """What a program of either kernel knows about its rows (traced values)."""
     b: jax.Array  # batch row
@@ -61,9 +83,11 @@ class _Program(NamedTuple):
     q: jax.Array  # [rows, D]
 
 
-def _program(q_ref, lengths_ref, *, chunk, group, group_pad, kv_heads, block_q, num_splits):
+def _program(q_ref, lengths_ref, st: _Static) -> _Program:
     """Grid (batch, kv_head, query block x split). Row r of the dot is query token
     first + r // group_pad of head h * group + r % group_pad (padded members are masked)."""
+    chunk, group, group_pad, block_q, num_splits = (st.chunk, st.group, st.group_pad,
+                                                    st.block_q, st.num_splits)
     b, h = pl.program_id(0), pl.program_id(1)
     qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
     rows = block_q * group_pad
@@ -72,7 +96,7 @@ def _program(q_ref, lengths_ref, *, chunk, group, group_pad, kv_heads, block_q, 
     member = jnp.arange(rows) % group_pad
     length = jnp.minimum(lengths_ref[b], chunk)
     row_valid = (token < length) & (member < group)
-    q_row = (b * chunk + token) * (group * kv_heads) + h * group + member
+    q_row = (b * chunk + token) * (group * st.kv_heads) + h * group + member
     cols = jnp.arange(q_ref.shape[-1])
     q = plgpu.load(q_ref.at[q_row[:, None], cols[None, :]], mask=row_valid[:, None], other=0)
     return _Program(b, h, split, first, token, member, length, row_valid, q_row, q)
@@ -97,26 +121,19 @@ def _prefill_kernel(
     lengths_ref,  # [B] int32 valid queries per row
     *refs,  # sparse: indices [B, T, HK, K] int32, count [B, T, HK] int32; then outputs
     sparse: bool,
-    sm_scale: float,
-    chunk: int,
-    group: int,
-    group_pad: int,
-    kv_heads: int,
-    page_size: int,
-    block_q: int,
-    block_n: int,
-    tile: int,
-    num_splits: int,
+    st: _Static,
 ):
     if sparse:
         indices_ref, count_ref, out_ref, lse_ref = refs
     else:
         out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
+    chunk, group, kv_heads, page_size, block_q, block_n, tile, num_splits = (
+        st.chunk, st.group, st.kv_heads, st.page_size, st.block_q, st.block_n, st.tile,
+        st.num_splits)
     b, h, split, first, token, member, length, row_valid, q_row, q = _program(
-        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
-        block_q=block_q, num_splits=num_splits)
+        q_ref, lengths_ref, st)
     head_dim = q_ref.shape[-1]
-    rows = block_q * group_pad
+    rows = block_q * st.group_pad
     cols = jnp.arange(head_dim)
     dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
                             precision=lax.Precision.HIGHEST)
@@ -164,7 +181,7 @@ def _prefill_kernel(
         gather = functools.partial(_gather, page_table_ref=page_table_ref, b=b, h=h, pos=pos,
                                    valid=valid, kv_heads=kv_heads, page_size=page_size)
         k, v = gather(k_ref), gather(v_ref)  # [block_n, D]
-        s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [rows, block_n]
+        s = dot(q, k, (((1,), (1,)), ((), ()))) * st.sm_scale  # [rows, block_n]
         attend = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         s = jnp.where(attend, s, -jnp.inf)
         # A row may see no key in a block (causal diagonal, padded rows): keep exp finite.
@@ -196,23 +213,17 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
                     tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
                     num_stages):
     batch, chunk, q_heads, head_dim = q.shape
-    num_pages, kv_heads, page_size, _ = k_pages.shape
-    group = q_heads // kv_heads
-    group_pad = common.next_power_of_2(group)
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits)
     sparse = indices is not None
     # Free reshapes of contiguous arrays: no copy.
-    q_rows = q.reshape(batch * chunk * q_heads, head_dim)
-    k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
-    v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
-    num_qblocks = common.cdiv(chunk, block_q)
-    kernel = functools.partial(
-        _prefill_kernel, sparse=sparse, sm_scale=sm_scale, chunk=chunk, group=group,
-        group_pad=group_pad, kv_heads=kv_heads, page_size=page_size, block_q=block_q,
-        block_n=block_n, tile=tile, num_splits=num_splits)
+    q_rows = q.reshape(-1, head_dim)
+    k_rows = k_pages.reshape(-1, head_dim)
+    v_rows = v_pages.reshape(-1, head_dim)
+    kernel = functools.partial(_prefill_kernel, sparse=sparse, st=st)
     extra = (indices, count) if sparse else ()
     out_part, lse_part = common.pallas_call(
         kernel,
-        grid=(batch, kv_heads, num_qblocks * num_splits),
+        grid=(batch, st.kv_heads, common.cdiv(chunk, block_q) * num_splits),
         out_shape=[jax.ShapeDtypeStruct((num_splits, batch * chunk * q_heads, head_dim),
                                         jnp.float32),
                    jax.ShapeDtypeStruct((num_splits, batch * chunk * q_heads), jnp.float32)],
@@ -235,24 +246,14 @@ def _tile_scores_kernel(
     _,  # the zeros that scores_ref aliases
     scores_ref,  # [B, tiles, HK, max_pages * P rounded up to block_n] f32, atomic adds
     *,
-    sm_scale: float,
-    chunk: int,
-    group: int,
-    group_pad: int,
-    kv_heads: int,
-    page_size: int,
-    block_q: int,
-    block_n: int,
-    tile: int,
-    num_splits: int,
+    st: _Static,
 ):
-    b, h, split, first, _, _, length, row_valid, q_row, q = _program(
-        q_ref, lengths_ref, chunk=chunk, group=group, group_pad=group_pad, kv_heads=kv_heads,
-        block_q=block_q, num_splits=num_splits)
+    b, h, split, first, _, _, length, row_valid, q_row, q = _program(q_ref, lengths_ref, st)
+    kv_heads, page_size, block_n, num_splits = st.kv_heads, st.page_size, st.block_n, st.num_splits
     lse = plgpu.load(lse_ref.at[q_row], mask=row_valid, other=0.0)
-    t = lax.div(first, tile)
+    t = lax.div(first, st.tile)
     # the keys before the tile, within the page table's span
-    lo = jnp.minimum(start_ref[b] + t * tile, page_table_ref.shape[1] * page_size)
+    lo = jnp.minimum(start_ref[b] + t * st.tile, page_table_ref.shape[1] * page_size)
     total = jnp.where(first < length, pl.cdiv(lo, block_n), 0)
     per_split = pl.cdiv(total, num_splits)
     begin = split * per_split
@@ -264,7 +265,7 @@ def _tile_scores_kernel(
         k = _gather(k_ref, page_table_ref, b, h, pos, valid, kv_heads=kv_heads,
                     page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=lax.Precision.HIGHEST) * sm_scale
+                            precision=lax.Precision.HIGHEST) * st.sm_scale
         p = jnp.where(row_valid[:, None] & valid[None, :], jnp.exp(s - lse[:, None]), 0.0)
         # A whole block (the output is padded to whole blocks): columns past lo add 0.
         plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
@@ -275,19 +276,13 @@ def _tile_scores_kernel(
 
 def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
                         interpret, block_q, block_n, num_splits, num_warps, num_stages):
-    batch, chunk, q_heads, head_dim = q.shape
-    num_pages, kv_heads, page_size, _ = k_pages.shape
-    group = q_heads // kv_heads
-    tiles = common.cdiv(chunk, tile)
-    span = page_table.shape[1] * page_size
-    shape = (batch, tiles, kv_heads, common.cdiv(span, block_n) * block_n)
-    kernel = functools.partial(
-        _tile_scores_kernel, sm_scale=sm_scale, chunk=chunk, group=group,
-        group_pad=common.next_power_of_2(group), kv_heads=kv_heads, page_size=page_size,
-        block_q=block_q, block_n=block_n, tile=tile, num_splits=num_splits)
+    batch, chunk, _, head_dim = q.shape
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits)
+    span = page_table.shape[1] * st.page_size
+    shape = (batch, common.cdiv(chunk, tile), st.kv_heads, common.cdiv(span, block_n) * block_n)
     return common.pallas_call(
-        kernel,
-        grid=(batch, kv_heads, common.cdiv(chunk, block_q) * num_splits),
+        functools.partial(_tile_scores_kernel, st=st),
+        grid=(batch, st.kv_heads, common.cdiv(chunk, block_q) * num_splits),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
         input_output_aliases={6: 0},
         compiler_params=common.triton_params(num_warps, num_stages),

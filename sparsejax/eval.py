@@ -89,7 +89,8 @@ def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
 
 
 def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
-               timing: bool = True, repeats: int = 3) -> list[dict]:
+               timing: bool = True, repeats: int = 3,
+               correct_every: int | None = None) -> list[dict]:
     """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
     over the decode steps it ran; plus, when `timing`, the batch's tokens/s: the median of
     `repeats` runs after a warm-up (compile excluded)."""
@@ -102,7 +103,7 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
         # the last batch is padded with repeats of its first prompt: one shape, one compile
         ids, lengths = data.prompt_batch(chunk + chunk[:1] * (batch - len(chunk)))
         kw = dict(lengths=lengths, max_new_tokens=max_new_tokens, method=method,
-                  eos_token_id=data.EOS_ID)
+                  eos_token_id=data.EOS_ID, correct_every=correct_every)
         out = generate(model, ids, return_diagnostics=True, **kw)
         toks, num = np.asarray(out.tokens), np.asarray(out.num_generated)
         diag = {k: np.asarray(out.diagnostics[k], np.float64)
@@ -154,12 +155,14 @@ def summarize(rows: list[dict], method, config, task: str) -> dict:
 def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(),
              methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
              timing: bool = True, repeats: int = 3, calibrated: bool = True,
-             progress=log.info) -> dict:
+             progress=log.info, correct_every: int | None = None,
+             sparse_prefill: bool = False) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
     model, with what ships beside it (`methods.fitted_beside`; the calibration unless
-    `calibrated` is False), or `methods(ratio) -> {name: method}` for any others."""
+    `calibrated` is False), or `methods(ratio) -> {name: method}` for any others.
+    `correct_every` and `sparse_prefill` (Kascade's) apply to every method they concern."""
     from sparsejax.train import data
 
     fitted = M.fitted_beside(model_dir, model, calibrated=calibrated and methods is None)
@@ -169,7 +172,8 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
            "lychee_retrieval_heads": "shipped gates" if fitted.retrieval_heads is not None else
            "random (no gates shipped with the model)",
-           "calibrated": sorted(fitted.calibration),
+           "calibrated": sorted(fitted.calibration), "correct_every": correct_every,
+           "sparse_prefill": sparse_prefill,
            "timing": {"warmup_runs": 1, "repeats": repeats, "statistic": "median"} if timing
            else None, "results": []}
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
@@ -177,10 +181,12 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
         chosen = (methods(ratio) if methods is not None else
                   build_methods(model.config, method_names, ratio, context, fitted))
         for name, method in chosen.items():
+            if sparse_prefill and isinstance(method, M.Kascade):
+                method = dataclasses.replace(method, sparse_prefill=True)
             t0 = time.perf_counter()
             rows = run_method(model, prompts, method, batch=batch,
                               max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing,
-                              repeats=repeats)
+                              repeats=repeats, correct_every=correct_every)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task)
                 res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
@@ -296,6 +302,10 @@ def add_parser(sub) -> None:
                    "from the calibration shipped beside the model")
     p.add_argument("--no-timing", action="store_true",
                    help="skip the tokens/s runs")
+    p.add_argument("--correct-every", type=positive_int, default=None, metavar="N",
+                   help="cache correction: re-run every N generated tokens densely "
+                   "(default: off)")
+    p.add_argument("--sparse-prefill", action="store_true", help="Kascade's sparse prefill")
     p.add_argument("--json", default=None, help="write the results here (default: not written)")
     p.add_argument("--plot", default=None,
                    help="write the accuracy/recall/error/speed plot here, PNG "
@@ -334,7 +344,8 @@ def run(args) -> int:
                    method_names=names, ratios=ratios, seed=args.seed,
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
                    timing=not args.no_timing, repeats=args.repeats,
-                   calibrated=not args.no_calibration)
+                   calibrated=not args.no_calibration, correct_every=args.correct_every,
+                   sparse_prefill=args.sparse_prefill)
     print(table(doc))
     if not args.no_timing and speed_note():
         print(speed_note())
