@@ -11,7 +11,7 @@ from sparsejax.cache import PagedKVCache, allocate
 from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
                                 prefill, sample)
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
-from sparsejax.plan import Budget, Role, Selection, Selector, SparsePlan
+from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
 
 __version__ = "0.1.0"
 
@@ -27,7 +27,8 @@ def embedded_model_path() -> Path:
 
 __all__ = [
     "Budget", "GenerateOutput", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
-    "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step", "embedded_model_path",
+    "Score", "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step",
+    "embedded_model_path",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
     "save_pretrained",
 ]

@@ -48,8 +48,9 @@ def init_prior(out: ForwardOutput, lengths: jax.Array) -> Prior:
     return Prior(out.query_means, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
 
 
-def layer_prior(state: dict, layer: jax.Array) -> Prior:
-    return jax.tree.map(lambda x: x[layer], state["prior"])
+def layer_prior(state, layer: jax.Array) -> Prior:
+    """Layer `layer`'s prior from the cache's `MethodState`."""
+    return jax.tree.map(lambda x: x[layer], state.prior)
 
 
 def prior_length(plan, prior: Prior, lengths: jax.Array) -> jax.Array:
