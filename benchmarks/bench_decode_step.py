@@ -61,12 +61,12 @@ def random_cache(config, plan, batch, context, steps, key):
     if plan.residual is not None:
         L, HQ, HK, D = config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
         ks = jax.random.split(kp, 4)
-        c = c.replace(state={"prior": Prior(
+        c = c.replace(state=kv.MethodState(prior=Prior(
             mu_q=jax.random.normal(ks[0], (L, batch, HQ, D)),
             mu_k=jax.random.normal(ks[1], (L, batch, HK, D)),
             lse=10 + jax.random.normal(ks[2], (L, batch, HQ)),
             o_est=jax.random.normal(ks[3], (L, batch, HQ, D)),
-            length=jnp.full((L, batch), context, jnp.int32))})
+            length=jnp.full((L, batch), context, jnp.int32))))
     return c
 
 

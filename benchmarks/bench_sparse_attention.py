@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kernel_checks import max_row_rel_error  # noqa: E402
 
 from sparsejax.pallas_kernels.sparse_attention import (  # noqa: E402
-    _default_splits,
-    _default_tuning,
+    default_splits,
+    default_tuning,
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
@@ -197,8 +197,8 @@ class Bench:
 
     def tuning_for(self, args, opts, config) -> dict:
         """The kernel's tuning dict for a sweep config at this size."""
-        tuning = _default_tuning(self.d, *self.shape_facts(args, opts), splits=config["splits"],
-                                 block_n=config["block_n"])
+        tuning = default_tuning(self.d, *self.shape_facts(args, opts), splits=config["splits"],
+                                block_n=config["block_n"])
         if config["split_tokens"] is not None:
             tuning["split_tokens"] = max(config["block_n"], config["split_tokens"])
         return {**tuning, **{k: config[k] for k in ("num_warps", "num_stages", "lookahead")
@@ -341,7 +341,7 @@ class Bench:
                                   KNOB_SWEEP + SPLIT_SWEEP["kascade"])
                 cfg = best
             else:  # 4x more or less work per row group: re-pick the split count only
-                rule = _default_splits(*self.shape_facts(args, opts)[:2])
+                rule = default_splits(*self.shape_facts(args, opts)[:2])
                 splits = [None, best["splits"], *((1, 2) if context < sweep_at else (2 * rule,))]
                 local = [{**best, "splits": s, "split_tokens": None} for s in splits]
                 if context < sweep_at:

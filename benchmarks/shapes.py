@@ -87,6 +87,7 @@ def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=
 def random_state(config, plan, cache, context, key):
     """Per-layer method state of the right shapes with plausible random values: RESA priors
     and Quest's page key bounds."""
+    from sparsejax.cache import MethodState
     from sparsejax.resa import Prior
 
     if plan.selector is None:
@@ -94,18 +95,19 @@ def random_state(config, plan, cache, context, key):
     L, B = config.num_layers, cache.lengths.shape[0]
     HQ, HK, D = config.num_heads, config.num_kv_heads, config.head_dim
     ks = jax.random.split(key, 6)
-    state = {}
+    kmin = kmax = prior = None
     if plan.selector.score == "quest_bound":
         k = jax.random.normal(ks[4], (L, cache.num_pages, HK, D), jnp.float32)
-        state["kmin"], state["kmax"] = k - 1.0, k + 1.0
+        kmin, kmax = k - 1.0, k + 1.0
     if plan.residual is not None:
-        state["prior"] = Prior(
-            mu_q=jax.random.normal(ks[0], (L, B, HQ, D)),
-            mu_k=jax.random.normal(ks[1], (L, B, HK, D)),
-            lse=10 + jax.random.normal(ks[2], (L, B, HQ)),
-            o_est=jax.random.normal(ks[3], (L, B, HQ, D)),
-            length=jnp.full((L, B), context, jnp.int32))
-    return state or None
+        prior = Prior(mu_q=jax.random.normal(ks[0], (L, B, HQ, D)),
+                      mu_k=jax.random.normal(ks[1], (L, B, HK, D)),
+                      lse=10 + jax.random.normal(ks[2], (L, B, HQ)),
+                      o_est=jax.random.normal(ks[3], (L, B, HQ, D)),
+                      length=jnp.full((L, B), context, jnp.int32))
+    if kmin is None and prior is None:
+        return None
+    return MethodState(prior=prior, kmin=kmin, kmax=kmax)
 
 
 def method(name: str, config, context: int, ratio: float = 0.1):
@@ -119,7 +121,7 @@ def method(name: str, config, context: int, ratio: float = 0.1):
     """
     from sparsejax import methods as M
 
-    L, HK = config.num_layers, config.num_kv_heads
+    L = config.num_layers
     base = name.removesuffix("+resa")
     if base == "dense":
         m = M.Dense()

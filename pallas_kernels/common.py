@@ -1,4 +1,5 @@
-"""Plumbing shared by every kernel family: backend choice, Triton compiler params, the LSE combine.
+"""Plumbing shared by every kernel family: backend choice, Triton compiler params, the LSE combine,
+the score rules, the selection group each query head reads.
 
 The LSE combine lives here once: split-K reduction, hybrid dense/sparse merges and RESA all
 call `merge_partials`.
@@ -6,6 +7,7 @@ call `merge_partials`.
 from __future__ import annotations
 
 import contextlib
+import enum
 import warnings
 from typing import Literal
 
@@ -170,6 +172,23 @@ def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array
     w = w / jnp.where(total > 0, total, 1.0)
     merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(w, -1), axis=axis)
     return merged, lse_all
+
+
+class Score(enum.StrEnum):
+    """What a selecting layer ranks positions by. The dense kernel computes the first four
+    (`paged_decode_attention(score=...)`); members equal their strings, so either is taken."""
+    MAX_HEADS = "max_heads"            # DELTA: max over all query heads of the probabilities
+    GROUP_SUM = "group_sum"            # Kascade: probabilities summed over each GQA group
+    MEAN_QUERY = "mean_query"          # LycheeDecode: logits of each group's mean query
+    HEAD_PROBS = "head_probs"          # TidalDecode, oracle top-k: per query head
+    ALL_HEADS_SUM = "all_heads_sum"    # Kascade pooled: GROUP_SUM summed over the KV heads
+    QUEST_BOUND = "quest_bound"        # Quest: per-page upper bound of the logits
+    NONE = "none"                      # StreamingLLM: only the forced sinks and recent window
+
+    @property
+    def is_logit(self) -> bool:
+        """Logits (pooled over a unit by max) rather than probabilities (pooled by sum)."""
+        return self in (Score.MEAN_QUERY, Score.QUEST_BOUND)
 
 
 def check_choice(name: str, value, allowed) -> None:

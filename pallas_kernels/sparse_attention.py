@@ -27,7 +27,7 @@ the kernel writes the normalised output in q's dtype and the final LSE itself, a
 no partial buffer and no merge. At small work per row group (DELTA's 64 pages, Kascade at 8k)
 the merge's two XLA fusions, their launches and the f32 partial round trip are a
 double-digit share of the call; the default tuning picks this path whenever the row groups
-alone fill the GPU (`_default_tuning`).
+alone fill the GPU (`default_tuning`).
 
 Each program walks its split in steps of `block_n` tokens: token -> selected index ->
 logical position -> (page_table[b, pos // P], pos % P) -> one D-row of K and of V in the
@@ -47,9 +47,10 @@ jaxlib 0.10.2's Triton and ptxas 12.9 the row-dependent mask costs 8-21 register
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,7 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 16
-TUNING_KNOBS = ("block_n", "split_tokens", "num_warps", "num_stages", "lookahead")
-# Default split rule (`_default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
+# Default split rule (`default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
 # program's K/V buffers (64 KiB) allow ~3 resident programs per SM:
 _NUM_SMS = 132
 _WAVE = 3 * _NUM_SMS  # programs resident at once
@@ -84,6 +84,217 @@ class SparseAttention(NamedTuple):
 def _load(ref, mask, other):
     """plgpu.load, unmasked when mask is None."""
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=other)
+
+
+def _row_group(row_group, head_map_ref, *, mode, has_head_map, num_heads, kv_heads):
+    """Program axis 0 -> (b, h, g, head0): the batch row, the KV head, the selection group the
+    row group reads and its first query head. A row group is one query head (mode "q") or the
+    GQA group of a KV head."""
+    group_size = num_heads // kv_heads
+    if mode == "q":
+        b, head0 = lax.div(row_group, num_heads), lax.rem(row_group, num_heads)
+        return b, lax.div(head0, group_size), head0, head0
+    b, h = lax.div(row_group, kv_heads), lax.rem(row_group, kv_heads)
+    head0 = h * group_size
+    # A head map entry out of range is clamped rather than read out of bounds.
+    g = jnp.clip(head_map_ref[h], 0, kv_heads - 1) if has_head_map else (
+        h if mode == "kv" else 0)
+    return b, h, g, head0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+    """Split `split` of a row group's token stream: the `count * unit` selected positions of a
+    sparse head, or [0, length) of a dense head, walked in steps of `block_n` tokens. Each
+    step's two dependent lookups are `entries` (token -> selected index) and `coords` (index
+    -> logical position -> K/V row through the page table)."""
+    indices_ref: Any        # [B, G, K] int32
+    page_table_ref: Any     # [B, max_pages] int32
+    b: Any                  # the row group's batch row, KV head and selection group
+    h: Any
+    g: Any
+    length: Any             # the row's length, at most the positions the page table addresses
+    n_tokens: Any           # the stream's length
+    dense: Any              # the KV head attends densely (False without dense heads)
+    start: Any              # the split's first offset into the stream
+    n_steps: Any            # steps of this split that hold stream tokens
+    has_dense: bool
+    unit: int
+    kv_heads: int
+    page_size: int
+    block_n: int
+
+    @classmethod
+    def locate(cls, indices_ref, page_table_ref, lengths_ref, count_ref, dense_ref, b, h, g,
+               split, *, has_dense, unit, kv_heads, page_size, block_n, split_tokens):
+        length = jnp.minimum(lengths_ref[b], page_table_ref.shape[1] * page_size)
+        n_tokens = jnp.clip(count_ref[b, g], 0, indices_ref.shape[2]) * unit
+        dense = dense_ref[h] if has_dense else False
+        if has_dense:
+            n_tokens = jnp.where(dense, length, n_tokens)
+        start = split * split_tokens
+        n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
+        n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
+        return cls(indices_ref, page_table_ref, b, h, g, length, n_tokens, dense, start,
+                   n_steps, has_dense, unit, kv_heads, page_size, block_n)
+
+    @property
+    def span(self) -> int:
+        """Positions the page table can address."""
+        return self.page_table_ref.shape[1] * self.page_size
+
+    def offsets(self, i):
+        """Step i's offsets into the stream ([block_n] int32)."""
+        return self.start + i * self.block_n + jnp.arange(self.block_n)
+
+    def entries(self, i):
+        """Step i's selected indices ([block_n] int32): the first of its two dependent
+        lookups. Index entries are clamped in bounds, so the load needs no mask and waits
+        for neither `count` nor `length`; what it reads for dead tokens is discarded. With
+        dense heads the grid is mostly empty programs: there the lookup is masked off."""
+        t = self.offsets(i)
+        max_entries = self.indices_ref.shape[2]
+        entry = jnp.minimum(t if self.unit == 1 else lax.div(t, self.unit), max_entries - 1)
+        lookup = None
+        if self.has_dense:
+            lookup = jnp.broadcast_to((i < self.n_steps) & jnp.logical_not(self.dense),
+                                      (self.block_n,))
+        return _load(self.indices_ref.at[self.b, self.g, entry], lookup, -1)
+
+    def coords(self, i, idx):
+        """Step i's K/V rows and logical positions from its indices ([block_n] int32 each;
+        row 0 and position -1 where nothing is attended): the page-table lookup."""
+        t = self.offsets(i)
+        unit, span, page_size = self.unit, self.span, self.page_size
+        live = t < self.n_tokens
+        in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
+        pos = idx if unit == 1 else idx * unit + lax.rem(t, unit)
+        if self.has_dense:
+            pos = jnp.where(self.dense, t, pos)
+            in_cache = in_cache | self.dense
+        valid = live & in_cache & (pos < self.length)
+        slot = jnp.clip(pos, 0, span - 1)
+        page = _load(self.page_table_ref.at[self.b, lax.div(slot, page_size)],
+                     jnp.broadcast_to(i < self.n_steps, (self.block_n,)) if self.has_dense
+                     else None, 0)
+        row = (page * self.kv_heads + self.h) * page_size + lax.rem(slot, page_size)
+        return jnp.where(valid, row, 0), jnp.where(valid, pos, -1)
+
+
+class _QueryRows(NamedTuple):
+    """The program's block_h query rows: [0, rows) the queries, [rows, 2*rows) the RESA prior
+    queries, the rest padding (M >= 16 for the dots)."""
+    r: jax.Array            # [block_h] row index
+    is_q: jax.Array         # [block_h] bool
+    is_prior: jax.Array     # [block_h] bool
+    head: jax.Array         # [block_h] query head of each row (head0 for padding)
+    cols: jax.Array         # [1, D] column index
+    qs: jax.Array           # [block_h, D]
+    row_limit: jax.Array | None   # [block_h] positions each row attends below (prior bound)
+
+
+def _row_mask(m, head_dim):
+    """[block_h] -> [block_h, D]: a row mask for whole-row loads and stores."""
+    return jnp.broadcast_to(m[:, None], (m.shape[0], head_dim))
+
+
+def _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, span, *, rows, block_h,
+                  has_prior, has_prior_bound) -> _QueryRows:
+    head_dim = q_ref.shape[2]
+    r = jnp.arange(block_h)
+    is_q = r < rows
+    is_prior = (r >= rows) & (r < 2 * rows) if has_prior else jnp.zeros_like(is_q)
+    head = head0 + jnp.where(is_q, r, jnp.where(is_prior, r - rows, 0))
+    # Gathers and scatters index every axis with arrays (interpret mode has no mixed form).
+    cols = jnp.arange(head_dim)[None, :]
+    qs = plgpu.load(q_ref.at[b, head[:, None], cols], mask=_row_mask(is_q, head_dim), other=0)
+    if has_prior:
+        mu = plgpu.load(prior_query_ref.at[b, head[:, None], cols],
+                        mask=_row_mask(is_prior, head_dim), other=0)
+        qs = jnp.where(_row_mask(is_prior, head_dim), mu.astype(qs.dtype), qs)
+    row_limit = None
+    if has_prior_bound:
+        # The prior rows' bound as a per-row position limit, fixed before the loop: one
+        # compare per logit in the loop instead of a row mask and a column mask combined.
+        row_limit = jnp.where(is_q, span, prior_length_ref[b])
+    return _QueryRows(r, is_q, is_prior, head, cols, qs, row_limit)
+
+
+def _gather(k_rows_ref, v_rows_ref, row, pos, cols):
+    """One step's K and V tiles ([block_n, D]; zero where nothing is attended)."""
+    tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (pos.shape[0], cols.shape[1]))
+    k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
+    v = plgpu.load(v_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
+    return k, v
+
+
+def _online_softmax(queries: _QueryRows, k, v, pos, acc, m, l, scale):
+    """Fold one step's tiles into the running (acc [block_h, D], max m, sum l), base 2."""
+    # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
+    s = plgpu.dot(queries.qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+    keep = (pos >= 0)[None, :]
+    if queries.row_limit is not None:
+        keep = keep & (pos[None, :] < queries.row_limit[:, None])
+    s = jnp.where(keep, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows stay exactly 0
+    alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2(s - m_shift[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    return acc, m_new, l
+
+
+def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref, *, scale,
+                   lookahead):
+    """Online softmax over the split's steps -> (acc, m, l). The lookups run `lookahead` steps
+    ahead of the K/V gathers (see the module docstring): step i issues its K/V loads first,
+    then the page lookup of step i+1 and, with lookahead 2, the index lookup of step i+2,
+    none waiting for another."""
+    def step(i, carry):
+        acc, m, l, *ahead = carry
+        if lookahead == 0:
+            row, pos = stream.coords(i, stream.entries(i))
+        else:
+            row, pos = ahead[:2]
+        k, v = _gather(k_rows_ref, v_rows_ref, row, pos, queries.cols)
+        if lookahead == 1:
+            ahead = list(stream.coords(i + 1, stream.entries(i + 1)))
+        elif lookahead == 2:
+            ahead = [*stream.coords(i + 1, ahead[2]), stream.entries(i + 2)]
+        return (*_online_softmax(queries, k, v, pos, acc, m, l, scale), *ahead)
+
+    block_h, head_dim = queries.qs.shape
+    acc = jnp.zeros((block_h, head_dim), jnp.float32)
+    m = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((block_h,), jnp.float32)
+    ahead = ()
+    if lookahead >= 1:
+        ahead = stream.coords(0, stream.entries(0))
+    if lookahead == 2:
+        ahead = (*ahead, stream.entries(1))
+    return lax.fori_loop(0, stream.n_steps, step, (acc, m, l, *ahead))[:3]
+
+
+def _write(queries: _QueryRows, acc, m, l, b, split, out_ref, lse_ref, prior_out_ref,
+           prior_lse_ref, *, num_heads, direct):
+    """Normalise and store the query rows' (out, lse), and the prior rows' when given: the
+    final result with one split (`direct`), else this split's partial."""
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
+    lse = jnp.where(nonempty, m * _LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    for rows_here, o_ref, l_ref in ((queries.is_q, out_ref, lse_ref),
+                                    (queries.is_prior, prior_out_ref, prior_lse_ref)):
+        if o_ref is None:
+            continue
+        # Masked rows get distinct out-of-range heads: never written, never aliasing a real row.
+        dst = jnp.where(rows_here, queries.head, num_heads + queries.r)
+        # A partial with nothing attended writes only its lse (-inf): the merge zeroes its
+        # out, so empty programs (most of a dense-head grid) cost no partial bytes.
+        written = rows_here if direct else rows_here & nonempty
+        plgpu.store(o_ref.at[split, b, dst[:, None], queries.cols], out.astype(o_ref.dtype),
+                    mask=_row_mask(written, out.shape[1]))
+        plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
 
 
 def _sparse_decode_kernel(
@@ -109,6 +320,8 @@ def _sparse_decode_kernel(
     split_tokens: int,
     lookahead: int,
 ):
+    """Program (row group, split): attend the row group's query rows to the split's part of
+    its token stream and write the result (one split) or a partial."""
     refs = list(refs)
     head_map_ref = refs.pop(0) if has_head_map else None  # [HK] int32
     dense_ref = refs.pop(0) if has_dense else None  # [HK] bool
@@ -118,151 +331,22 @@ def _sparse_decode_kernel(
     # out in q's dtype and lse; then the same for the prior.
     out_ref, lse_ref = refs[:2]
     prior_out_ref, prior_lse_ref = refs[2:] if has_prior else (None, None)
-    direct = out_ref.shape[0] == 1
-
-    _, num_heads, head_dim = q_ref.shape
-    max_pages = page_table_ref.shape[1]
-    span = max_pages * page_size  # positions the page table can address
-    max_entries = indices_ref.shape[2]
-    group_size = num_heads // kv_heads
-    rows = 1 if mode == "q" else group_size
+    num_heads = q_ref.shape[1]
 
     row_group, split = pl.program_id(0), pl.program_id(1)
-    if mode == "q":
-        b, head0 = lax.div(row_group, num_heads), lax.rem(row_group, num_heads)
-        h, g = lax.div(head0, group_size), head0
-    else:
-        b, h = lax.div(row_group, kv_heads), lax.rem(row_group, kv_heads)
-        head0 = h * group_size
-        # A head map entry out of range is clamped rather than read out of bounds.
-        g = jnp.clip(head_map_ref[h], 0, kv_heads - 1) if has_head_map else (
-            h if mode == "kv" else 0)
-
-    length = jnp.minimum(lengths_ref[b], span)
-    n_tokens = jnp.clip(count_ref[b, g], 0, max_entries) * unit
-    dense = dense_ref[h] if has_dense else False
-    if has_dense:
-        n_tokens = jnp.where(dense, length, n_tokens)
-    start = split * split_tokens
-    n_steps = lax.div(n_tokens - start + block_n - 1, block_n)
-    n_steps = jnp.clip(n_steps, 0, split_tokens // block_n)
-
-    def step_offsets(i):
-        """Step i's offsets into the row group's token stream ([block_n] int32)."""
-        return start + i * block_n + jnp.arange(block_n)
-
-    def step_entries(i):
-        """Step i's selected indices ([block_n] int32): the first of its two dependent
-        lookups. Index entries are clamped in bounds, so the load needs no mask and waits
-        for neither `count` nor `length`; what it reads for dead tokens is discarded. With
-        dense heads the grid is mostly empty programs: there the lookup is masked off."""
-        t = step_offsets(i)
-        entry = jnp.minimum(t if unit == 1 else lax.div(t, unit), max_entries - 1)
-        lookup = None
-        if has_dense:
-            lookup = jnp.broadcast_to((i < n_steps) & jnp.logical_not(dense), (block_n,))
-        return _load(indices_ref.at[b, g, entry], lookup, -1)
-
-    def step_coords(i, idx):
-        """Step i's K/V rows and logical positions from its indices ([block_n] int32 each;
-        row 0 and position -1 where nothing is attended): the page-table lookup."""
-        t = step_offsets(i)
-        live = t < n_tokens
-        in_cache = (idx >= 0) & (idx < common.cdiv(span, unit))  # and idx * unit cannot overflow
-        pos = idx if unit == 1 else idx * unit + lax.rem(t, unit)
-        if has_dense:
-            pos = jnp.where(dense, t, pos)
-            in_cache = in_cache | dense
-        valid = live & in_cache & (pos < length)
-        slot = jnp.clip(pos, 0, span - 1)
-        page = _load(page_table_ref.at[b, lax.div(slot, page_size)],
-                     jnp.broadcast_to(i < n_steps, (block_n,)) if has_dense else None, 0)
-        row = (page * kv_heads + h) * page_size + lax.rem(slot, page_size)
-        return jnp.where(valid, row, 0), jnp.where(valid, pos, -1)
-
-    # Rows [0, rows) hold the queries, [rows, 2*rows) the RESA prior queries, the rest is padding.
-    r = jnp.arange(block_h)
-    is_q = r < rows
-    is_prior = (r >= rows) & (r < 2 * rows) if has_prior else jnp.zeros_like(is_q)
-    head = head0 + jnp.where(is_q, r, jnp.where(is_prior, r - rows, 0))
-    # Gathers and scatters index every axis with arrays (interpret mode has no mixed form).
-    cols = jnp.arange(head_dim)[None, :]
-    row_mask = lambda m: jnp.broadcast_to(m[:, None], (block_h, head_dim))  # noqa: E731
-    qs = plgpu.load(q_ref.at[b, head[:, None], cols], mask=row_mask(is_q), other=0)
-    if has_prior:
-        mu = plgpu.load(prior_query_ref.at[b, head[:, None], cols], mask=row_mask(is_prior),
-                        other=0)
-        qs = jnp.where(row_mask(is_prior), mu.astype(qs.dtype), qs)
-    if has_prior_bound:
-        # The prior rows' bound as a per-row position limit, fixed before the loop: one
-        # compare per logit in the loop instead of a row mask and a column mask combined.
-        row_limit = jnp.where(is_q, span, prior_length_ref[b])
-    scale = sm_scale * _LOG2E  # online softmax in base 2
-
-    def gather(row, pos):
-        """One step's K and V tiles ([block_n, D]; zero where nothing is attended)."""
-        tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (block_n, head_dim))
-        k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
-        v = plgpu.load(v_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
-        return k, v
-
-    def attend(k, v, pos, acc, m, l):
-        # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
-        s = plgpu.dot(qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-        keep = (pos >= 0)[None, :]
-        if has_prior_bound:
-            keep = keep & (pos[None, :] < row_limit[:, None])
-        s = jnp.where(keep, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows stay exactly 0
-        alpha = jnp.exp2(m - m_shift)
-        p = jnp.exp2(s - m_shift[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v,
-                                               precision=lax.Precision.HIGHEST)
-        return acc, m_new, l
-
-    # The lookups run `lookahead` steps ahead of the K/V gathers (see the module docstring):
-    # step i issues its K/V loads first, then the page lookup of step i+1 and, with
-    # lookahead 2, the index lookup of step i+2, none waiting for another.
-    def step(i, carry):
-        acc, m, l, *ahead = carry
-        if lookahead == 0:
-            row, pos = step_coords(i, step_entries(i))
-        else:
-            row, pos = ahead[:2]
-        k, v = gather(row, pos)
-        if lookahead == 1:
-            ahead = list(step_coords(i + 1, step_entries(i + 1)))
-        elif lookahead == 2:
-            ahead = [*step_coords(i + 1, ahead[2]), step_entries(i + 2)]
-        return (*attend(k, v, pos, acc, m, l), *ahead)
-
-    acc = jnp.zeros((block_h, head_dim), jnp.float32)
-    m = jnp.full((block_h,), -jnp.inf, jnp.float32)
-    l = jnp.zeros((block_h,), jnp.float32)
-    ahead = ()
-    if lookahead >= 1:
-        ahead = step_coords(0, step_entries(0))
-    if lookahead == 2:
-        ahead = (*ahead, step_entries(1))
-    acc, m, l = lax.fori_loop(0, n_steps, step, (acc, m, l, *ahead))[:3]
-
-    nonempty = l > 0
-    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-    lse = jnp.where(nonempty, m * _LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
-    for rows_here, o_ref, l_ref in ((is_q, out_ref, lse_ref),
-                                    (is_prior, prior_out_ref, prior_lse_ref)):
-        if o_ref is None:
-            continue
-        # Masked rows get distinct out-of-range heads: never written, never aliasing a real row.
-        dst = jnp.where(rows_here, head, num_heads + r)
-        # A partial with nothing attended writes only its lse (-inf): the merge zeroes its
-        # out, so empty programs (most of a dense-head grid) cost no partial bytes.
-        written = rows_here if direct else rows_here & nonempty
-        plgpu.store(o_ref.at[split, b, dst[:, None], cols], out.astype(o_ref.dtype),
-                    mask=row_mask(written))
-        plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
+    b, h, g, head0 = _row_group(row_group, head_map_ref, mode=mode, has_head_map=has_head_map,
+                                num_heads=num_heads, kv_heads=kv_heads)
+    stream = _Stream.locate(indices_ref, page_table_ref, lengths_ref, count_ref, dense_ref, b,
+                            h, g, split, has_dense=has_dense, unit=unit, kv_heads=kv_heads,
+                            page_size=page_size, block_n=block_n, split_tokens=split_tokens)
+    queries = _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, stream.span,
+                            rows=1 if mode == "q" else num_heads // kv_heads, block_h=block_h,
+                            has_prior=has_prior, has_prior_bound=has_prior_bound)
+    acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref,
+                               scale=sm_scale * _LOG2E,  # online softmax in base 2
+                               lookahead=lookahead)
+    _write(queries, acc, m, l, b, split, out_ref, lse_ref, prior_out_ref, prior_lse_ref,
+           num_heads=num_heads, direct=out_ref.shape[0] == 1)
 
 
 def _split_tokens(stream: int, splits: int, block_n: int) -> int:
@@ -271,7 +355,7 @@ def _split_tokens(stream: int, splits: int, block_n: int) -> int:
     return max(block_n, common.cdiv(common.cdiv(stream, max(1, splits)), block_n) * block_n)
 
 
-def _default_splits(row_groups: int, sparse_tokens: int) -> int:
+def default_splits(row_groups: int, sparse_tokens: int) -> int:
     """Splits per sparse row group.
 
     One (the direct-write path, no merge) when the row groups alone make a wave of resident
@@ -285,20 +369,21 @@ def _default_splits(row_groups: int, sparse_tokens: int) -> int:
     return max(needed, fill, 1)
 
 
-def _default_tuning(head_dim: int, row_groups: int, sparse_tokens: int,
-                    dense_tokens: int = 0, *, splits: int | None = None,
-                    block_n: int | None = None) -> dict:
+def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tokens: int = 0,
+                   *, splits: int | None = None, block_n: int | None = None) -> dict:
     """Static knobs from the shapes (`splits`/`block_n` override the rule, for sweeps).
 
+    row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
+    longest sparse stream; dense_tokens: max_pages * P with dense heads, else 0.
     block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256). split_tokens: the sparse
-    stream in `_default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
+    stream in `default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
     dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
     M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
     case of benchmarks/bench_sparse_attention.py), 4 with dense heads or D = 256.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     """
     block_n = block_n or (64 if head_dim <= 128 else 32)
-    splits = _default_splits(row_groups, sparse_tokens) if splits is None else splits
+    splits = default_splits(row_groups, sparse_tokens) if splits is None else splits
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
     num_warps = 2 if dense_tokens == 0 and head_dim <= 128 else 4
@@ -367,7 +452,7 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit, head_map,
-                  dense_heads, prior_query, prior_length, tuning) -> str:
+                  dense_heads, prior_query, prior_length) -> str:
     """Validates shapes and dtypes; returns the selection mode: 'kv', 'shared' or 'q'."""
     def expect(ok, name, value, expected):
         if not ok:
@@ -416,28 +501,27 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit
         expect(prior_query is not None, "prior_length", "given", "None without prior_query")
         expect(prior_length.shape == (batch,) and prior_length.dtype == jnp.int32,
                "prior_length", (prior_length.shape, prior_length.dtype), f"[{batch}] int32")
-    unknown = sorted(set(tuning) - set(TUNING_KNOBS))
-    expect(not unknown, "tuning", unknown, f"knobs among {TUNING_KNOBS}")
     return mode
 
 
-def _check_tuning(tuning: dict) -> None:
-    block_n, split = tuning["block_n"], tuning["split_tokens"]
+def _check_tuning(block_n, split_tokens, num_warps, num_stages, lookahead) -> None:
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n={block_n}: expected a power of 2 >= 16")
-    if split < block_n or split % block_n:
-        raise ValueError(f"split_tokens={split}: expected a positive multiple of {block_n=}")
-    for name in ("num_warps", "num_stages"):
-        if tuning[name] < 1:
-            raise ValueError(f"{name}={tuning[name]}: expected a positive int")
-    if tuning["lookahead"] not in (0, 1, 2) or isinstance(tuning["lookahead"], bool):
-        raise ValueError(f"lookahead={tuning['lookahead']!r}: expected 0, 1 or 2")
+    if split_tokens < block_n or split_tokens % block_n:
+        raise ValueError(f"split_tokens={split_tokens}: expected a positive multiple of "
+                         f"{block_n=}")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value < 1:
+            raise ValueError(f"{name}={value}: expected a positive int")
+    if lookahead not in (0, 1, 2) or isinstance(lookahead, bool):
+        raise ValueError(f"lookahead={lookahead!r}: expected 0, 1 or 2")
 
 
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
                             head_map=None, dense_heads=None, prior_query=None,
                             prior_length=None, sm_scale=None, backend="auto", interpret=None,
-                            **tuning) -> SparseAttention:
+                            block_n=None, split_tokens=None, num_warps=None, num_stages=None,
+                            lookahead=None) -> SparseAttention:
     """Decode attention of each query head over its selected positions of a paged cache.
 
     q            [B, HQ, D]                  bf16 / f16 / f32; HQ = HK * group (group 1..16)
@@ -458,12 +542,13 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
     the attended positions j < prior_length and its weighted sum of v_j (for dense heads
     that is every j < min(length, prior_length)). An empty set gives out 0 and lse -inf.
-    `tuning` (Pallas only, static): block_n, split_tokens (>= the longest stream: one split,
-    written directly with no merge), num_warps, num_stages, lookahead (0, 1 or 2: how many
-    steps ahead of the K/V gathers the index and page-table lookups run; default 2).
+    block_n, split_tokens (>= the longest stream: one split, written directly with no merge),
+    num_warps, num_stages, lookahead (0, 1 or 2: how many steps ahead of the K/V gathers the
+    index and page-table lookups run): static knobs of the Pallas path; None picks
+    `default_tuning`.
     """
     mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
-                         head_map, dense_heads, prior_query, prior_length, tuning)
+                         head_map, dense_heads, prior_query, prior_length)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     if prior_length is lengths:
         # The default bound: every attended position is already < length, so the kernel
@@ -480,9 +565,12 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
 
     row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
-    tuning = {**_default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
-                                block_n=tuning.get("block_n")), **tuning}
-    _check_tuning(tuning)
+    tuning = default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
+                            block_n=block_n)
+    given = dict(block_n=block_n, split_tokens=split_tokens, num_warps=num_warps,
+                 num_stages=num_stages, lookahead=lookahead)
+    tuning.update({k: v for k, v in given.items() if v is not None})
+    _check_tuning(**tuning)
     if head_map is not None:
         head_map = head_map.astype(jnp.int32)
     return _sparse_decode_pallas(

@@ -13,7 +13,7 @@ from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, deco
                                 prefill, sample)
 from sparsejax.llm import LLM
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
-from sparsejax.plan import Budget, Role, Selection, Selector, SparsePlan
+from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
 
 __version__ = "0.1.0"
 
@@ -29,7 +29,8 @@ def embedded_model_path() -> Path:
 
 __all__ = [
     "Budget", "GenerateOutput", "LLM", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
-    "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step", "embedded_model_path",
+    "Score", "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step",
+    "embedded_model_path",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
     "save_pretrained",
 ]

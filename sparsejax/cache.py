@@ -21,12 +21,21 @@ MAX_PAGE_SIZE = 256
 
 
 @flax.struct.dataclass
+class MethodState:
+    """Per-layer state that methods keep in the cache: computed at prefill, updated every step.
+    A field is None when the plan needs none of it."""
+    prior: Any = None                # resa.Prior, every field stacked [layers, ...] (RESA)
+    kmin: jax.Array | None = None    # [layers, num_pages, kv_heads, head_dim] f32: each physical
+    kmax: jax.Array | None = None    # page's element-wise key bounds (Quest); +-inf when empty
+
+
+@flax.struct.dataclass
 class PagedKVCache:
     k: jax.Array            # [layers, num_pages, kv_heads, page_size, head_dim]
     v: jax.Array            # [layers, num_pages, kv_heads, page_size, head_dim]
     page_table: jax.Array   # [batch, max_pages] int32
     lengths: jax.Array      # [batch] int32 tokens written per row
-    state: Any = None       # per-layer method state (RESA priors, Quest page bounds, ...)
+    state: MethodState | None = None
 
     @property
     def page_size(self) -> int:

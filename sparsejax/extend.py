@@ -78,7 +78,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
                 tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
                 sel = selection.select_tiles(plan, scores, tile_lo, cache.capacity)
         h = finish_layer(c, lp, h, out)
-        if state is not None and "kmin" in state:
+        if state is not None and state.kmin is not None:
             state = selection.refresh_page_bounds(state, layer, k_flat, offset,
                                                   cache.page_table, start, filled, C)
         if sums:
@@ -158,8 +158,8 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
     if resa_prior:
         mu_q, mu_k = (x / jnp.maximum(lengths, 1)[None, :, None, None].astype(jnp.float32)
                       for x in sums)
-        cache = cache.replace(state={**(cache.state or {}),
-                                     "prior": resa.prior_from_cache(cache, mu_q, mu_k, lengths)})
+        prior = resa.prior_from_cache(cache, mu_q, mu_k, lengths)
+        cache = cache.replace(state=(cache.state or kv.MethodState()).replace(prior=prior))
     return unembed(model, last), cache
 
 
@@ -174,8 +174,8 @@ def correct(model: Model, cache: kv.PagedKVCache, tokens: jax.Array,
     _, cache, _ = extend_layers(model, cache, embed(model, tokens), start,
                                 jnp.full_like(start, N))
     if plan.residual is not None and plan.residual.fold_decode_tokens:
-        prior = cache.state["prior"]
+        prior = cache.state.prior
         fresh = resa.prior_from_cache(cache, prior.mu_q, prior.mu_k, cache.lengths)
-        cache = cache.replace(state={**cache.state, "prior": prior._replace(
-            lse=fresh.lse, o_est=fresh.o_est)})
+        cache = cache.replace(state=cache.state.replace(prior=prior._replace(
+            lse=fresh.lse, o_est=fresh.o_est)))
     return cache

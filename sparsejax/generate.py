@@ -336,7 +336,8 @@ def speculative_round(model: Model, cache: kv.PagedKVCache, last: jax.Array, lim
     """
     gamma = draft_tokens
     key_draft, key_accept = jax.random.split(key)
-    start, prior_before = cache.lengths, (cache.state or {}).get("prior")
+    start = cache.lengths
+    prior_before = None if cache.state is None else cache.state.prior
     drafts, q_logits, cache = draft(model, cache, last, plan, gamma, sampling, key_draft)
     p_logits, cache = speculative.verify(model, cache, jnp.concatenate([last[:, None], drafts], 1),
                                          start, jnp.where(limit > 0, gamma + 1, 0))

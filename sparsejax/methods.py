@@ -26,7 +26,7 @@ import numpy as np
 from sparsejax import artifacts
 from sparsejax.cache import check_page_size
 from sparsejax.models import ModelConfig
-from sparsejax.plan import Budget, Residual, Role, Selector, SparsePlan
+from sparsejax.plan import Budget, Residual, Role, Score, Selector, SparsePlan
 
 DEFAULT_PAGE_SIZE = 16
 
@@ -155,7 +155,7 @@ class OracleTopK:
         budget = TopK(self.k) if self.k is not None else Ratio(self.ratio, self.min_k)
         return SparsePlan("oracle", (Role.SELF,) * config.num_layers,
                           _page_size("OracleTopK", None, page_size),
-                          Selector("head_probs", 1, "query", budget))
+                          Selector(Score.HEAD_PROBS, 1, "query", budget))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ class StreamingLLM:
     def to_plan(self, config, page_size=None):
         roles = (Role.SELF,) + (Role.REUSE,) * (config.num_layers - 1)
         return SparsePlan("streaming", roles, _page_size("StreamingLLM", None, page_size),
-                          Selector("none", 1, "shared", TopK(self.sinks + self.window),
+                          Selector(Score.NONE, 1, "shared", TopK(self.sinks + self.window),
                                    sinks=self.sinks, recent=self.window))
 
 
@@ -195,7 +195,8 @@ class Quest:
         roles = (Role.DENSE,) * self.dense_layers + (Role.SELF,) * (
             config.num_layers - self.dense_layers)
         return SparsePlan("quest", roles, p,
-                          Selector("quest_bound", p, "query", _in_units(TopK(self.token_budget), p)))
+                          Selector(Score.QUEST_BOUND, p, "query",
+                                   _in_units(TopK(self.token_budget), p)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ class TidalDecode:
             raise ValueError(f"TidalDecode: layers {sorted(set(dense) & set(select))} are both "
                              "dense and selecting")
         return SparsePlan("tidal", _roles(L, dense, select), _page_size("TidalDecode", None, page_size),
-                          Selector("head_probs", 1, "query", TopK(self.k)))
+                          Selector(Score.HEAD_PROBS, 1, "query", TopK(self.k)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +258,7 @@ class DELTA:
             raise ValueError(f"DELTA: layers {sorted(set(dense) & set(delta))} are both dense and "
                              "Δ-layers")
         return SparsePlan("delta", _roles(L, dense, delta), p,
-                          Selector("max_heads", p, "shared", Budget("fixed", self.budget_pages),
+                          Selector(Score.MAX_HEADS, p, "shared", Budget("fixed", self.budget_pages),
                                    recent=self.recent_pages * p))
 
 
@@ -316,7 +317,7 @@ class Kascade:
                 raise ValueError(f"Kascade head_map values span [{hm.min()}, {hm.max()}]: expected "
                                  f"KV head indices in [0, {HK})")
         groups = "shared" if self.pooled_all_heads else "kv"
-        score = "all_heads_sum" if self.pooled_all_heads else "group_sum"
+        score = Score.ALL_HEADS_SUM if self.pooled_all_heads else Score.GROUP_SUM
         return SparsePlan("kascade", _roles(L, (), anchors), _page_size("Kascade", None, page_size),
                           Selector(score, 1, groups, Ratio(self.ratio, self.min_k)),
                           head_map=None if self.pooled_all_heads else head_map,
@@ -372,7 +373,7 @@ class Lychee:
                       for r in mask)
         budget = _in_units(self.budget, self.block)
         return SparsePlan("lychee", roles, p,
-                          Selector("mean_query", self.block, "kv", budget, sinks=self.sinks,
+                          Selector(Score.MEAN_QUERY, self.block, "kv", budget, sinks=self.sinks,
                                    recent=self.recent),
                           retrieval=tuple(tuple(bool(x) for x in r) for r in mask))
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from sparsejax.cache import check_page_size
 from sparsejax.models import ModelConfig
+from sparsejax.pallas_kernels.common import Score
 
 
 class Role(enum.IntEnum):
@@ -28,8 +29,6 @@ class Role(enum.IntEnum):
     SELF = 4     # choose a selection from a pre-attention score, then attend sparsely to it
 
 
-SCORES = ("max_heads", "group_sum", "all_heads_sum", "mean_query", "head_probs",
-          "quest_bound", "none")
 GROUPS = ("shared", "kv", "query")
 
 
@@ -77,14 +76,14 @@ class Budget:
 class Selector:
     """What a selecting layer computes and keeps.
 
-    score: "max_heads" (DELTA), "group_sum" (Kascade), "all_heads_sum" (Kascade pooled),
-      "mean_query" (Lychee), "head_probs" (TidalDecode, oracle top-k), "quest_bound" (Quest),
-      "none" (StreamingLLM: only the forced sinks and recent window).
+    score: the `Score` rule (or its string): MAX_HEADS (DELTA), GROUP_SUM (Kascade),
+      ALL_HEADS_SUM (Kascade pooled), MEAN_QUERY (Lychee), HEAD_PROBS (TidalDecode, oracle
+      top-k), QUEST_BOUND (Quest), NONE (StreamingLLM: only the forced sinks and recent window).
     unit: tokens per selected index — 1, the page size, or a multiple of it (blocks).
     groups: "shared" (one set for all heads), "kv" (per KV head), "query" (per query head).
     sinks / recent: tokens always kept at the start / end of the context (rounded up to units).
     """
-    score: str
+    score: Score
     unit: int
     groups: str
     budget: Budget
@@ -92,8 +91,9 @@ class Selector:
     recent: int = 0
 
     def __post_init__(self):
-        if self.score not in SCORES:
-            raise ValueError(f"score={self.score!r}: expected one of {SCORES}")
+        if self.score not in tuple(Score):
+            raise ValueError(f"score={self.score!r}: expected one of {tuple(map(str, Score))}")
+        object.__setattr__(self, "score", Score(self.score))
         if self.groups not in GROUPS:
             raise ValueError(f"groups={self.groups!r}: expected one of {GROUPS}")
         if not isinstance(self.unit, int) or self.unit < 1:

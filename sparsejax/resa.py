@@ -66,8 +66,9 @@ def prior_from_cache(cache, mu_q: jax.Array, mu_k: jax.Array, length: jax.Array)
                  jnp.broadcast_to(length, (L,) + length.shape))
 
 
-def layer_prior(state: dict, layer: jax.Array) -> Prior:
-    return jax.tree.map(lambda x: x[layer], state["prior"])
+def layer_prior(state, layer: jax.Array) -> Prior:
+    """Layer `layer`'s prior from the cache's `MethodState`."""
+    return jax.tree.map(lambda x: x[layer], state.prior)
 
 
 def prior_length(plan, prior: Prior, lengths: jax.Array) -> jax.Array:

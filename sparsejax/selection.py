@@ -9,24 +9,19 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa
-from sparsejax.cache import PagedKVCache, layer_pages, token_address
+from sparsejax.cache import MethodState, PagedKVCache, layer_page_ids, layer_pages, token_address
 from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
 from sparsejax.pallas_kernels import (fixed_budget, paged_decode_attention, ratio_budget,
                                       threshold_budget, top_p_budget, topk_select)
-from sparsejax.plan import Selection, Selector, SparsePlan
-
-# Scores that are logits (pooled over a unit by max) rather than probabilities (pooled by sum).
-_LOGIT_SCORES = ("mean_query", "quest_bound")
-_KERNEL_SCORE = {"max_heads": "max_heads", "group_sum": "group_sum",
-                 "all_heads_sum": "group_sum", "mean_query": "mean_query",
-                 "head_probs": "head_probs"}
+from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 
-def kernel_score(s: Selector) -> str:
-    """The dense kernel's score mode a selecting layer asks for."""
-    return _KERNEL_SCORE[s.score]
+def kernel_score(s: Selector) -> Score:
+    """The dense kernel's score mode a selecting layer asks for (the pooled Kascade rule sums
+    the kernel's per-group sums)."""
+    return Score.GROUP_SUM if s.score == Score.ALL_HEADS_SUM else s.score
 
 
 def max_units(capacity: int, unit: int) -> int:
@@ -71,17 +66,17 @@ def _pool(scores: jax.Array, factor: int, logits: bool) -> jax.Array:
 def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Array) -> jax.Array:
     """Kernel scores -> [B, G, units] for the selector's unit and groups."""
     B = lengths.shape[0]
-    if s.score == "none":
+    if s.score == Score.NONE:
         return jnp.zeros((B, 1, 1), jnp.float32)
-    if s.score in ("max_heads",):          # [B, pages] page sums
+    if s.score == Score.MAX_HEADS:         # [B, pages] page sums
         return _pool(scores[:, None], s.unit // page_size, logits=False)
-    if s.score == "quest_bound":           # [B, HQ, pages]
+    if s.score == Score.QUEST_BOUND:       # [B, HQ, pages]
         return _pool(scores, s.unit // page_size, logits=True)
-    if s.score == "all_heads_sum":         # [B, HK, T] -> one shared row
+    if s.score == Score.ALL_HEADS_SUM:     # [B, HK, T] -> one shared row
         finite = jnp.isfinite(scores)
         scores = jnp.where(jnp.any(finite, axis=1),
                            jnp.sum(jnp.where(finite, scores, 0.0), axis=1), -jnp.inf)[:, None]
-    return _pool(scores, s.unit, logits=s.score in _LOGIT_SCORES)
+    return _pool(scores, s.unit, logits=s.score.is_logit)
 
 
 def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, lengths: jax.Array,
@@ -95,7 +90,7 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, leng
     n_units = max_units(capacity, s.unit)
     u = unit_scores(s, scores, plan.page_size, lengths)
     u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
-    if u.shape[-1] < n_units:   # "none" scores, or kernels that return fewer columns
+    if u.shape[-1] < n_units:   # Score.NONE, or kernels that return fewer columns
         u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])), constant_values=-jnp.inf)
     rows = u[..., :n_units].reshape(B * G, n_units)
     valid = jnp.repeat(valid_units, G).astype(jnp.int32)
@@ -126,7 +121,7 @@ def select_tiles(plan: SparsePlan, scores: jax.Array, tile_lo: jax.Array,
 def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.Array:
     """Per-row budget (units) from the selector's budget rule, capped by the buffer size."""
     b = s.budget
-    logits = s.score in _LOGIT_SCORES
+    logits = s.score.is_logit
     if b.kind == "fixed":
         k_row = fixed_budget(int(b.value), valid)
     elif b.kind == "ratio":
@@ -150,17 +145,17 @@ def covered_positions(sel: Selection, unit: int, limit: jax.Array, num_heads: in
 
 
 # ---- scores computed before attention (SELF layers) -----------------------------------------
-def pre_attention_scores(plan, q, k_pages, v_pages, table, lengths, layer, state, page_table):
-    """Scores a SELF layer selects from: `table` is this layer's offset page table,
-    `page_table` layer 0's (the per-layer state arrays index physical pages without offset)."""
+def pre_attention_scores(plan: SparsePlan, at):
+    """Scores a SELF layer selects from; `at` is the layer's `stack.LayerContext`."""
     s = plan.selector
-    if s.score == "head_probs":     # oracle: the layer's own exact attention
-        return paged_decode_attention(q, k_pages, v_pages, table, lengths,
-                                      score="head_probs").scores
-    if s.score == "quest_bound":
-        return quest_bound(q, state["kmin"][layer], state["kmax"][layer], page_table, lengths,
-                           plan.page_size)
-    if s.score == "none":
+    if s.score == Score.HEAD_PROBS:     # oracle: the layer's own exact attention
+        return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
+                                      score=Score.HEAD_PROBS).scores
+    if s.score == Score.QUEST_BOUND:
+        # the per-layer bounds index physical pages without the layer offset: layer 0's table
+        return quest_bound(at.q, at.state.kmin[at.layer], at.state.kmax[at.layer],
+                           at.step.page_table, at.step.lengths, plan.page_size)
+    if s.score == Score.NONE:
         return None
     raise ValueError(f"score={s.score!r} needs dense attention: use a SELECT layer")
 
@@ -182,13 +177,16 @@ def quest_bound(q, kmin, kmax, page_table, lengths, page_size):
 
 
 # ---- per-layer state ------------------------------------------------------------------------
-def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput, plan: SparsePlan):
-    state = {}
-    if plan.selector.score == "quest_bound":
-        state["kmin"], state["kmax"] = _page_bounds(cache, out.keys, cache.lengths)
+def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
+               plan: SparsePlan) -> MethodState | None:
+    kmin = kmax = prior = None
+    if plan.selector.score == Score.QUEST_BOUND:
+        kmin, kmax = _page_bounds(cache, out.keys, cache.lengths)
     if plan.residual is not None:
-        state["prior"] = resa.init_prior(out, cache.lengths)
-    return state or None
+        prior = resa.init_prior(out, cache.lengths)
+    if kmin is None and prior is None:
+        return None
+    return MethodState(prior=prior, kmin=kmin, kmax=kmax)
 
 
 def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
@@ -210,16 +208,16 @@ def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
     return kmin, kmax
 
 
-def empty_page_bounds(cache: PagedKVCache) -> dict:
+def empty_page_bounds(cache: PagedKVCache) -> MethodState:
     """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] f32."""
     shape = cache.k.shape[:3] + cache.k.shape[4:]
-    return {"kmin": jnp.full(shape, jnp.inf, jnp.float32),
-            "kmax": jnp.full(shape, -jnp.inf, jnp.float32)}
+    return MethodState(kmin=jnp.full(shape, jnp.inf, jnp.float32),
+                       kmax=jnp.full(shape, -jnp.inf, jnp.float32))
 
 
-def refresh_page_bounds(state: dict, layer: int, k_flat: jax.Array, offset: int,
+def refresh_page_bounds(state: MethodState, layer: int, k_flat: jax.Array, offset: int,
                         page_table: jax.Array, start: jax.Array, filled: jax.Array,
-                        num_tokens: int) -> dict:
+                        num_tokens: int) -> MethodState:
     """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
     start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
     after K/V are overwritten (a running min/max could not forget the old keys), and a page
@@ -233,9 +231,9 @@ def refresh_page_bounds(state: dict, layer: int, k_flat: jax.Array, offset: int,
     held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
     lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
     hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
-    phys = jnp.where(touched, phys, state["kmin"].shape[1])           # dropped by the write
-    return {**state, "kmin": state["kmin"].at[layer, phys].set(lo, mode="drop"),
-            "kmax": state["kmax"].at[layer, phys].set(hi, mode="drop")}
+    phys = jnp.where(touched, phys, state.kmin.shape[1])              # dropped by the write
+    return state.replace(kmin=state.kmin.at[layer, phys].set(lo, mode="drop"),
+                         kmax=state.kmax.at[layer, phys].set(hi, mode="drop"))
 
 
 def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax.Array,
@@ -248,36 +246,35 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
     state = cache.state
     if state is None:
         return None
-    state = dict(state)
     filled = start + kept
     num_layers = cache.k.shape[0]
-    if "kmin" in state:
+    if state.kmin is not None:
         k_flat = layer_pages(cache.k)
-        bounds = {"kmin": state["kmin"], "kmax": state["kmax"]}
-        state.update(jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
-            b, layer, k_flat, layer * cache.num_pages, cache.page_table, start, filled,
-            num_tokens), bounds))
-    if "prior" in state and plan.residual.fold_decode_tokens:
+        state = jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
+            b, layer, k_flat, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
+            start, filled, num_tokens), state)
+    if state.prior is not None and plan.residual.fold_decode_tokens:
         offsets = jnp.arange(num_tokens, dtype=jnp.int32)
         positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
         pages, slots = token_address(cache.page_table, positions, cache.page_size)
         k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
         v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
         valid = offsets[None, :] < kept[:, None]
-        state["prior"] = jax.lax.fori_loop(0, num_layers, lambda layer, prior: resa.fold_tokens(
-            prior, layer, k[layer], v[layer], valid), prior_before)
+        state = state.replace(prior=jax.lax.fori_loop(
+            0, num_layers, lambda layer, prior: resa.fold_tokens(prior, layer, k[layer], v[layer],
+                                                                  valid), prior_before))
     return state
 
 
-def update_state(plan: SparsePlan, state, layer, ctx, k, v, q):
-    """Fold this step's key into the per-layer state (Quest bounds, RESA's optional fold)."""
+def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
+    """Fold this step's key [B, HK, D] into the per-layer state (Quest bounds, RESA's optional
+    fold); ctx.pages [B] are the physical pages it was written to."""
     if state is None:
         return None
-    state = dict(state)
-    if "kmin" in state:
+    if state.kmin is not None:
         kf = k.astype(jnp.float32)
-        state["kmin"] = state["kmin"].at[layer, ctx.pages].min(kf)
-        state["kmax"] = state["kmax"].at[layer, ctx.pages].max(kf)
-    if "prior" in state and plan.residual.fold_decode_tokens:
-        state["prior"] = resa.fold_token(state["prior"], layer, k, v)
+        state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(kf),
+                              kmax=state.kmax.at[layer, ctx.pages].max(kf))
+    if state.prior is not None and plan.residual.fold_decode_tokens:
+        state = state.replace(prior=resa.fold_token(state.prior, layer, k, v))
     return state

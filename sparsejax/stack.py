@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa, selection
-from sparsejax.cache import (PagedKVCache, layer_page_ids, layer_pages, token_address,
-                             write_token)
+from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
+                             token_address, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
-from sparsejax.plan import Role, Selection, SparsePlan
+from sparsejax.plan import Role, Score, Selection, SparsePlan
 
 
 class StepContext(NamedTuple):
@@ -47,7 +47,18 @@ class Carry(NamedTuple):
     k: jax.Array            # [L * num_pages, HK, P, D]
     v: jax.Array
     sel: Selection
-    state: dict | None
+    state: MethodState | None
+
+
+class LayerContext(NamedTuple):
+    """What one layer's attention reads besides the carried selection."""
+    step: StepContext
+    layer: jax.Array        # int32 scalar
+    q: jax.Array            # [B, HQ, D]
+    k_pages: jax.Array      # [L * num_pages, HK, P, D]: the flattened cache, this token written
+    v_pages: jax.Array
+    table: jax.Array        # [B, max_pages] this layer's pages (`cache.layer_page_ids`)
+    state: MethodState | None
 
 
 def _tables(plan: SparsePlan, config):
@@ -101,17 +112,15 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
                                  ctx.slots, k, v)
     state = carry.state
     if plan.selector is not None:
-        state = selection.update_state(plan, state, layer, ctx, k, v, q)
+        state = selection.update_state(plan, state, layer, ctx, k, v)
     table = layer_page_ids(ctx.page_table, layer, num_pages)
-    attend = functools.partial(_attend, role=role, plan=plan, config=c, q=q, k_pages=k_flat,
-                               v_pages=v_flat, table=table, lengths=ctx.lengths, layer=layer,
-                               ctx=ctx, state=state)
+    at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state)
     with jax.named_scope(f"attention_{role.name.lower()}"):
-        out, sel, attended = attend(sel=carry.sel)
+        out, sel, attended = _attend(role, plan, c, at, carry.sel)
     h = finish_layer(c, lp, carry.h, out)
     diag = None
     if diagnostics:
-        diag = _diagnostics(plan, q, k_flat, v_flat, table, ctx.lengths, out, attended, sel)
+        diag = _diagnostics(plan, at, out, attended, sel)
         # the layer's input and its attention block's output (Kascade's layer importance)
         diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
     return Carry(h, k_flat, v_flat, sel, state), diag
@@ -124,75 +133,80 @@ class Attended(NamedTuple):
     dense_heads: jax.Array | None
 
 
-def _attend(*, role, plan, config, q, k_pages, v_pages, table, lengths, layer, ctx, state, sel):
+def _dense(at: LayerContext, **kwargs):
+    """Dense paged attention of the layer's query (`paged_decode_attention`'s result)."""
+    return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
+                                  **kwargs)
+
+
+def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selection):
     """One layer's attention by role -> (out [B, HQ, D], carried selection, Attended or None
     when every head attended densely)."""
     s = plan.selector
+    lengths, capacity = at.step.lengths, at.step.capacity
     if role == Role.DENSE:
-        return paged_decode_attention(q, k_pages, v_pages, table, lengths).out, sel, None
+        return _dense(at).out, sel, None
     if role == Role.SELECT:
-        r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
-                                   score=selection.kernel_score(s))
-        return r.out, selection.select(plan, config, r.scores, lengths, ctx.capacity), None
-    head_map = ctx.head_map[layer] if s.groups == "kv" else None
+        r = _dense(at, score=selection.kernel_score(s))
+        return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
+    head_map = at.step.head_map[at.layer] if s.groups == "kv" else None
     dense_heads = None
     dense_out = None
     if role == Role.SELF:
-        scores = selection.pre_attention_scores(plan, q, k_pages, v_pages, table, lengths,
-                                                layer, state, ctx.page_table)
-        sel = selection.select(plan, config, scores, lengths, ctx.capacity)
+        scores = selection.pre_attention_scores(plan, at)
+        sel = selection.select(plan, config, scores, lengths, capacity)
     elif role == Role.HYBRID:
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
-        dense_heads = ctx.retrieval[layer]
-        r = paged_decode_attention(q, k_pages, v_pages, table, lengths,
-                                   score=selection.kernel_score(s), kv_heads=dense_heads)
-        if isinstance(layer, int):
+        dense_heads = at.step.retrieval[at.layer]
+        r = _dense(at, score=selection.kernel_score(s), kv_heads=dense_heads)
+        if isinstance(at.layer, int):
             # The retrieval heads are static here: select for their rows only (the top-k then
             # reads 1/HK of the rows when one head in HK retrieves, as is typical).
-            heads = [h for h, is_retrieval in enumerate(plan.retrieval[layer]) if is_retrieval]
-            fresh = selection.select(plan, config, r.scores[:, heads], lengths, ctx.capacity,
+            heads = [h for h, is_retrieval in enumerate(plan.retrieval[at.layer]) if is_retrieval]
+            fresh = selection.select(plan, config, r.scores[:, heads], lengths, capacity,
                                      groups=len(heads))
             sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
                             count=sel.count.at[:, heads].set(fresh.count))
         else:
-            fresh = selection.select(plan, config, r.scores, lengths, ctx.capacity)
+            fresh = selection.select(plan, config, r.scores, lengths, capacity)
             sel = Selection(
                 indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
                 count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
         dense_out = r.out
-    out = _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map)
+    out = _sparse(plan, at, sel, head_map)
     if dense_out is not None:
-        group = q.shape[1] // k_pages.shape[1]
+        group = at.q.shape[1] // at.k_pages.shape[1]
         out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
     return out, sel, Attended(sel, head_map, dense_heads)
 
 
-def _sparse(plan, q, k_pages, v_pages, table, lengths, layer, state, sel, head_map):
+def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map):
     """Sparse attention over `sel` (+ RESA's residual when the plan has one)."""
-    prior = resa.layer_prior(state, layer) if plan.residual is not None else None
+    q, lengths = at.q, at.step.lengths
+    prior = resa.layer_prior(at.state, at.layer) if plan.residual is not None else None
     r = sparse_decode_attention(
-        q, k_pages, v_pages, table, lengths, sel.indices, sel.count, unit=plan.selector.unit,
-        head_map=head_map,
+        q, at.k_pages, at.v_pages, at.table, lengths, sel.indices, sel.count,
+        unit=plan.selector.unit, head_map=head_map,
         prior_query=None if prior is None else prior.mu_q.astype(q.dtype),
         prior_length=None if prior is None else resa.prior_length(plan, prior, lengths))
     if prior is None:
         return r.out
     prior_len = resa.prior_length(plan, prior, lengths)
     covered = selection.covered_positions(sel, plan.selector.unit, prior_len, q.shape[1],
-                                          k_pages.shape[1], head_map)
+                                          at.k_pages.shape[1], head_map)
     return resa.merge(plan.residual, q, r.out, r.lse, r.prior, prior,
                       complete=covered >= prior_len[:, None]).astype(q.dtype)
 
 
 # ---- diagnostics ----------------------------------------------------------------------------
-def _diagnostics(plan, q, k_pages, v_pages, table, lengths, out, attended, carried):
+def _diagnostics(plan, at: LayerContext, out, attended, carried):
     """Per row (averaged over query heads): recall = dense attention mass inside what each
     head attended to; oracle_recall = the most mass any set of the same size could hold (the
     top-|S| probabilities); attn_error = relative L2 error of the layer's attention output
     against dense attention. Also the layer's query and selection, for inspection."""
-    dense = paged_decode_attention(q, k_pages, v_pages, table, lengths, score="head_probs",
-                                   backend="reference")
+    q, lengths = at.q, at.step.lengths
+    dense = _dense(at, score=Score.HEAD_PROBS, backend="reference")
     probs = jnp.where(jnp.isfinite(dense.scores), dense.scores, 0.0)          # [B, HQ, T]
     ref = dense.out.astype(jnp.float32)
     err = jnp.linalg.norm(out.astype(jnp.float32) - ref, axis=-1) / jnp.maximum(
@@ -203,7 +217,7 @@ def _diagnostics(plan, q, k_pages, v_pages, table, lengths, out, attended, carri
     else:
         sel = attended.sel
         mask = attended_mask(sel.indices, sel.count, lengths, num_positions=probs.shape[-1],
-                             num_heads=q.shape[1], num_kv_heads=k_pages.shape[1],
+                             num_heads=q.shape[1], num_kv_heads=at.k_pages.shape[1],
                              unit=plan.selector.unit, head_map=attended.head_map,
                              dense_heads=attended.dense_heads)
         recall = jnp.sum(jnp.where(mask, probs, 0.0), axis=-1)

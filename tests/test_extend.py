@@ -172,10 +172,10 @@ def test_correction_rewrites_what_dense_prefill_writes(checkpoints, fold):
     fixed = jax.jit(correct, static_argnames="plan")(model, cache, generated, plan=plan)
     assert_same_cache(fixed, dense, total)
     for name in ("kmin", "kmax"):
-        got, want = np.asarray(fixed.state[name]), np.asarray(dense.state[name])
+        got, want = (np.asarray(getattr(c.state, name)) for c in (fixed, dense))
         np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
         np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=1e-5)
-    prior = fixed.state["prior"]
+    prior = fixed.state.prior
     # the prompt's prior, then each generated token's dense K/V folded in (when folding)
     want = resa.init_prior(forward(model, ids, lengths), jnp.asarray(lengths))
     full = forward(model, seq, total)

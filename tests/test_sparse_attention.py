@@ -12,7 +12,7 @@ from jax.extend.core import jaxprs_in_params
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.sparse_attention import (
     SparseAttention,
-    _default_tuning,
+    default_tuning,
     sparse_decode_attention,
     sparse_decode_attention_reference,
 )
@@ -291,7 +291,7 @@ def test_default_split_rule():
     direct path) when the row groups fill the GPU and the stream is short, else even splits
     no longer than 2048 tokens; dense heads capped at 128 splits; always whole steps."""
     def splits(row_groups, sparse, dense=0, head_dim=128):
-        t = _default_tuning(head_dim, row_groups, sparse, dense)
+        t = default_tuning(head_dim, row_groups, sparse, dense)
         assert t["split_tokens"] % t["block_n"] == 0
         return -(-max(sparse, dense) // t["split_tokens"]), t["split_tokens"]
 
@@ -303,11 +303,11 @@ def test_default_split_rule():
     assert splits(8, 819)[0] > 1  # a few row groups: split to fill the GPU anyway
     assert splits(64, 13056, 131072)[0] <= 128  # Lychee with dense heads
     assert splits(4, 100)[0] == 1  # tiny streams are not split below a step
-    assert _default_tuning(256, 512, 1024)["block_n"] == 32
+    assert default_tuning(256, 512, 1024)["block_n"] == 32
     # two warps for sparse-only streams at D <= 128, four with dense heads or at D = 256
-    assert _default_tuning(128, 512, 819)["num_warps"] == 2
-    assert _default_tuning(128, 64, 13056, 131072)["num_warps"] == 4
-    assert _default_tuning(256, 512, 1024)["num_warps"] == 4
+    assert default_tuning(128, 512, 819)["num_warps"] == 2
+    assert default_tuning(128, 64, 13056, 131072)["num_warps"] == 4
+    assert default_tuning(256, 512, 1024)["num_warps"] == 4
 
 
 @pytest.mark.parametrize("unit", ["token", "page", "block"])
@@ -501,7 +501,6 @@ def _bad(name, fn):
     _bad("dense_heads", lambda c, o: o.update(dense_heads=jnp.zeros((2,), jnp.int32))),
     _bad("prior_query", lambda c, o: o.update(prior_query=c["q"][:, :4])),
     _bad("prior_length", lambda c, o: o.update(prior_length=c["lengths"])),
-    _bad("tuning", lambda c, o: o.update(blockn=32)),
     _bad("block_n", lambda c, o: o.update(block_n=24)),
     _bad("split_tokens", lambda c, o: o.update(split_tokens=40, block_n=16)),
     _bad("lookahead", lambda c, o: o.update(lookahead=3)),
@@ -514,6 +513,13 @@ def test_bad_inputs(mutate, match):
     mutate(case, opts)
     with pytest.raises(ValueError, match=match):
         sparse_decode_attention(**case, **opts)
+
+
+def test_unknown_tuning_knob():
+    """The knobs are keyword arguments: a misspelt one is Python's TypeError naming it."""
+    case, opts = make_case(8)
+    with pytest.raises(TypeError, match="blockn"):
+        sparse_decode_attention(**case, **opts, backend="pallas", blockn=32)
 
 
 def test_head_map_needs_per_kv_head_groups():

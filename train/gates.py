@@ -1,75 +1,9 @@
-"""LycheeDecode's retrieval-head gates: HardKuma distillation training, Orbax checkpoints, and the
-gate files `methods.Lychee(gates=PATH)` reads.
-
-    state = train_gates(model, PasskeyData(tokenizer), target_retrieval_heads=8)
-    save_gates(state, "gates.json")
-    sparsejax.generate(model, ids, method=sparsejax.methods.Lychee(gates="gates.json"), ...)
+"""LycheeDecode's retrieval-head gates: HardKuma distillation training with Orbax checkpoints,
+and the gate files `methods.Lychee(gates=PATH)` reads (`save_gates`). The algorithm and its
+settings: docs/training.md.
 
     sparsejax train-gates --model DIR --target-heads N --steps S --out DIR [--data FILE]
         [--budget-ratio R] [--loss logits|hidden] [--checkpoint-dir DIR] [--seed S]
-
-Gates. Every KV head of layers 1..L-1 has a gate z ~ HardKuma(a, b) (`sparsejax.train.hardkuma`);
-layer 0 is all retrieval and has none, and the head budget counts gated heads only (G of them).
-a and b start at 1 (a uniform Kuma) and are trained as log a, log b (exp keeps them positive),
-projected after every step onto [-LOG_BOUND, LOG_BOUND] = [-1.5, 1.5]. The box keeps every gate
-movable both ways: P(z != 0) = (1 - 12^-a)^b saturates exponentially in a, so a gate pushed to
-a = 10 has an E[L0] gradient of 4e-10 and no multiplier could switch it off again, and a gate
-pushed deep towards z = 0 never samples z > 0, so the distillation loss could never switch it
-back on. At the box's corners an "on" gate has E[z] = 0.963 (P(z = 1) = 0.78) and an E[L0]
-gradient of 4e-5; an "off" gate has E[z] = 0.002 and samples z > 0 2% of the time (so each
-off gate still adds 0.02 to E[L0]). The reference code clamps a, b to [1e-6, 100] inside the
-loss, against NaNs. After training a head is a retrieval head when its HardKuma mean E[z] > 0.5.
-
-Student (one step). Run the teacher, the dense model, once over prompt + targets (jitted); it
-gives the targets' logits (or final-normed hidden states) and the prompt's keys and values.
-Then run the student only at the target positions, over those shared prompt keys/values plus
-its own keys/values of the targets (causal). In each layer every KV head computes dense
-attention and sparse attention and outputs z * dense + (1 - z) * sparse (z = 1 at layer 0);
-the sparse attention of layer l reads the token set chosen from layer l-1's dense attention of
-the same KV head. That is the reference code's training rule (modeling_*_train.py: every layer
-computes its top-k from its full attention and hands it to the next layer), whatever the gates
-of layer l-1 are; at inference only retrieval heads refresh the set and sparse heads read the
-latest earlier retrieval head's set. The set itself is chosen as at inference, by the Lychee
-selector (`selection.select` -> `topk_select`): the group-mean query's logits per KV head, the
-budget (default Ratio(0.3), the paper's 30%), sinks and recent window forced in; the reference
-code picks per query head. One z per head and step is shared by the batch, as in the reference.
-
-Loss. Mean squared error between student and teacher over the target tokens: logits (the
-paper's eq. 6) or final hidden states after the final norm (the reference code's
-last_hidden_state), averaged over features and real target tokens. The head budget enters as
-the paper's min-max Lagrangian (eq. 7),
-
-    min_{a,b} max_{lam >= 0}  L_distill / D0 + lam * (E[L0] - N_target) / G,
-
-with the multiplier in units of D0 / G (eq. 7's lam is lam * D0 / G): D0 is the distillation
-loss of step 0, so that one lambda_lr suits any model, loss kind and head count. AdamW (weight
-decay 0, as the reference) descends on log a, log b with the reference's schedule: lr rises
-from 0.1 lr to lr over the first 20% of the steps and falls back to 0.1 lr over the last 20%.
-In the same step lam ascends by exponentiated gradient, i.e. gradient ascent on log lam (the
-reference code's update form, without its one-sided relu, moving average and [1e-12, 20] clamp):
-
-    lam <- lam * exp(lambda_lr * f(step) * (E[L0] - N_target) / G),   lam = 1 at the start,
-
-f being the schedule's factor, so lam and the gates move on one time scale. lam rises while
-more than N_target heads are expected on and falls while fewer are; it stays in eq. 7's domain
-lam > 0 without a clamp, and reaches the scale a model needs in logarithmically many steps. (A
-fixed additive step would have to match that unknown scale: too small and every gate saturates
-"on" before lam matters, too large and lam overshoots and switches every gate off.)
-
-Checkpoints (Orbax, written atomically by its CheckpointManager): every `checkpoint_every`
-steps and at the end, the whole GateState (params, optimizer state, lam, D0, step, RNG key)
-plus a JSON record of the settings and the gates. The sample key of step s is fold_in(key, s) and
-batch s is `data.batch(s)`, so the step is also the data position: a run resumed from its
-latest checkpoint ends bitwise equal to an uninterrupted one.
-
-Gate files `load_retrieval_heads(path)` reads, each -> [layers, kv_heads] bool, layer 0 True:
-  * this module's JSON (`save_gates`), or a directory holding gates.json;
-  * a `train_gates` checkpoint directory (Orbax; its latest step);
-  * the reference code's output directory: full_head.pt when present (what its inference
-    loads), else a.pt / b.pt thresholded at HardKuma mean > 0.5 (needs torch);
-  * DuoAttention's full_attention_heads.tsv (or its directory): per layer a row of per-KV-head
-    full-attention scores, clipped to [0, 1]; retrieval where score >= `threshold` (0.5,
-    DuoAttention's default --threshold).
 """
 from __future__ import annotations
 
@@ -314,7 +248,7 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
                 checkpoint_every: int = 100, progress: bool = True,
                 callback: Callable[[int, dict], None] | None = None) -> GateState:
     """Train HardKuma head gates of the frozen `model` so that about `target_retrieval_heads`
-    KV heads of layers 1..L-1 become retrieval heads (see the module docstring).
+    KV heads of layers 1..L-1 become retrieval heads (docs/training.md).
 
     data: `PasskeyData`, or any object with `batch(step) -> GateBatch` (same shapes every
       step, a pure function of step) and `describe() -> dict` (JSON; compared on resume).

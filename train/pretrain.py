@@ -1,54 +1,10 @@
 """Train the small retrieval model shipped with sparsejax, from scratch, on the synthetic tasks of
-`sparsejax.train.data` (niah, multikey, multivalue, vt) generated on the fly.
+`sparsejax.train.data` generated on the fly. The recipe, the model's shape and the throughput
+estimate: docs/training.md.
 
     sparsejax pretrain --out DIR (--minutes M | --steps S) [--size {tiny,default}] [--batch B]
                        [--max-context N] [--seed S] [--checkpoint-dir DIR]
     python -m sparsejax.train.pretrain …   (the same)
-
-The model (`--size default`) is a Llama (HF model_type "llama"): 8 layers, hidden 256, 8 query
-heads and 4 KV heads of head_dim 64 (GQA 2:1), SwiGLU 768, tied embeddings over the 1024-token
-vocabulary, RoPE θ = 100000. Why this shape:
-  * 8 layers: enough depth for DELTA's Δ-layers, Kascade's anchor/reuse layers and
-    LycheeDecode's per-layer retrieval heads to mean something; retrieval itself needs two
-    (an induction pattern: find the key, copy what follows it).
-  * head_dim 64 and 4 KV heads: the Pallas decode kernels support head_dim 64/128/256, and GQA
-    makes the group pooling of DELTA/Kascade/Lychee do real work.
-  * 8.13 M parameters = 16.3 MB in bf16 (one 15.5 MiB safetensors file), small enough to
-    ship as package data.
-  * θ = 100000 keeps the slowest RoPE channels nearly constant over 4k tokens, which
-    content-matching retrieval heads use.
-`--size tiny` (2 layers, hidden 128, 2 query heads / 1 KV head, contexts ≤ 512) is the same
-recipe at CPU scale.
-
-Recipe: cross-entropy on the answer tokens only (hidden states gathered at the answer positions
-before the LM head), averaged per row so that each task weighs the same. Besides the four
-tasks, training reads "copy" (continue a random sequence found in the haystack), which only an
-induction head solves. A curriculum in stages at 128 tokens: copy alone, then copy and
-multikey, then all five; then all five at 512, 2048 and 4096 tokens. The order is what makes
-the recipe work: a model that meets niah before it can copy by content learns to copy by
-position (the k-th token after a needle's start), which solves niah and most of multivalue but
-reads each token of a multikey answer from a random needle, and it stayed on that circuit
-through ten minutes of training; with copying learned first, every task is solved in seven. A
-quarter of each batch's rows get a log-uniform shorter prompt, so short contexts stay solved. fp32 master params, forward in bf16 on
-accelerators (so the attention can use cuDNN; fp32 on CPU, where XLA runs bf16 dots slower),
-AdamW (β = 0.9/0.95, weight decay 0.1 off the norms), linear warm-up then cosine decay to 10%,
-global-norm clipping at 1. Deterministic given the seed: init from `jax.random.key(seed)`, and
-the batch of step s is a pure function of (seed, plan, s), so a run resumed from an Orbax
-checkpoint equals an uninterrupted one.
-
-Under `--minutes M` the step counts are planned after compiling: one timed step per stage gives
-its step time, and each stage gets its share of M minutes (the compile is not counted; training
-also stops at M minutes if the timing was optimistic). Under `--steps S` the stages split S.
-
-Throughput on one H200 (estimate; bf16, cuDNN attention). A training step costs per token
-6 · 7.87 M (weights; the LM head runs at ≤ 16 positions per row) + 8 layers · 3.5 · 1024 · T
-(causal attention at an average T/2 keys, 8 heads × 64, flash backward ≈ 2.5× forward) FLOPs:
-51 M at T = 144, 62 M at 528, 106 M at 2064, 165 M at 4112. Steps of 37 k, 68 k, 132 k and
-132 k tokens (256 × 144, 128 × 528, 64 × 2064, 32 × 4112) are 1.9, 4.2, 14 and 22 TFLOP; at an
-effective 200 TFLOP/s (hidden 256 keeps the matmuls small, the norms and RoPE are memory-bound)
-that is ≈ 3 M tokens/s up to 512-token rows and ≈ 1.2 M at 4096, ≈ 10 k steps and ≈ 0.7 G
-tokens (≈ 7·10¹⁶ FLOPs) in six minutes: 1.4 M samples at 128 tokens, 0.3 M at 512, 60 k at
-2048, 45 k at 4096.
 """
 from __future__ import annotations
 
