@@ -4,7 +4,13 @@ One test per kind of bad input, each asserting the exception type and that the m
 the offending argument or file, with the valid call beside it as the control where that is
 cheap. Checkpoints are built the way tests/hf_checkpoints.py builds them, but tiny.
 """
+import logging
 import math
+import shutil
+import subprocess
+import sys
+import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +20,11 @@ import pytest
 import sparsejax
 from sparsejax import methods as M
 from sparsejax.generate import prompt_lengths
-from sparsejax.models import ModelConfig, init_params
+from sparsejax.models import ModelConfig, param_shapes
 from sparsejax.plan import dense_plan
+from sparsejax.train import checkpoints, gates
+from sparsejax.train.checkpoints import CheckpointSaveError
+from sparsejax.train.passkey import GateBatch
 
 CFG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=8, intermediate_size=32, max_position_embeddings=64)
@@ -23,7 +32,11 @@ CFG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, num_layers=
 
 @pytest.fixture(scope="module")
 def model():
-    return sparsejax.Model(CFG, init_params(CFG, jax.random.key(0), std=0.1))
+    """Random weights drawn in numpy (init_params compiles a sampler per shape: slower)."""
+    rng = np.random.default_rng(0)
+    return sparsejax.Model(CFG, jax.tree.map(
+        lambda shape: jnp.asarray(0.1 * rng.standard_normal(shape), jnp.float32),
+        param_shapes(CFG), is_leaf=lambda x: isinstance(x, tuple)))
 
 
 # ---- token ids and lengths ------------------------------------------------------------------
@@ -121,10 +134,9 @@ def test_context_past_max_position_embeddings_warns(model):
     with pytest.warns(UserWarning, match="70 tokens .* exceed the model's "
                                          "max_position_embeddings=64"):
         sparsejax.generate(model, [[1] * 10], max_new_tokens=60)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sparsejax.generate(model, [[1] * 10], max_new_tokens=54)
+        CFG.check_context(64)     # up to the limit: no warning
 
 
 def test_a_cache_that_cannot_fit_is_refused_before_allocating(model):
@@ -133,3 +145,119 @@ def test_a_cache_that_cannot_fit_is_refused_before_allocating(model):
                                          r"953.7 GiB; the devices have room for"):
         with pytest.warns(UserWarning):
             sparsejax.generate(model, [[1, 2]] * 8, max_new_tokens=10**9)
+
+
+# ---- training checkpoints -------------------------------------------------------------------
+class _RandomGateData:
+    """Tiny random gate-training batches: 2 rows, 16/20-token prompts, 4 targets each."""
+
+    def batch(self, step):
+        tokens = np.random.default_rng(step).integers(0, CFG.vocab_size, (2, 24), np.int32)
+        prompt = np.array([16, 20], np.int32)
+        return GateBatch(tokens, prompt, prompt[:, None] + np.arange(4, dtype=np.int32),
+                         np.ones((2, 4), np.float32))
+
+    def describe(self):
+        return {"kind": "random"}
+
+
+# one set of settings, so that the tests share one compiled training step
+GATE_TRAINING = dict(target_retrieval_heads=1, steps=4, budget=M.Ratio(0.3), sinks=2, recent=4,
+                     progress=False)
+
+
+def test_checkpoint_dir_that_is_a_file_stops_at_once(tmp_path):
+    """Both training commands refuse it before any work, and the process exits (no Orbax
+    thread left waiting): run as a user would, under a timeout."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    for argv in (["pretrain", "--size", "tiny", "--steps", "2", "--out", str(tmp_path / "out")],
+                 ["train-gates", "--model", str(sparsejax.embedded_model_path()),
+                  "--target-heads", "2", "--out", str(tmp_path / "out")]):
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "sparsejax", *argv, "--checkpoint-dir",
+                               str(afile)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert f"checkpoint_dir={str(afile)!r} is a file: expected a directory" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert time.perf_counter() - t0 < 60
+
+
+def test_a_failing_save_stops_training_at_once(model, tmp_path):
+    """The step-2 save fails (its directory has become a file): training stops there."""
+    ckpt = tmp_path / "ckpt"
+    seen = []
+
+    def break_the_directory(step, metrics):
+        seen.append(step)
+        if step == 2:
+            shutil.rmtree(ckpt)
+            ckpt.write_text("")
+
+    with pytest.raises(CheckpointSaveError, match=f"saving the step-2 checkpoint to {ckpt} "
+                                                  "failed .*training stopped"):
+        gates.train_gates(model, _RandomGateData(), checkpoint_dir=ckpt,
+                          checkpoint_every=1, callback=break_the_directory, **GATE_TRAINING)
+    assert seen == [1, 2]
+
+
+def _damage(step_dir, how):
+    """Damage one step directory the way a crash or a bad disk would."""
+    data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    if how == "deleted":
+        data.unlink()
+    elif how == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif how == "bit-flipped":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        data.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "bit-flipped"])
+def test_checkpoints_detect_damage(tmp_path, caplog, how):
+    state = {"w": jnp.arange(512, dtype=jnp.float32), "step": jnp.int32(0)}
+    manager = checkpoints.open_manager(tmp_path, 1)
+    for step in (1, 2):
+        checkpoints.save(manager, step, jax.tree.map(lambda x: x + step, state), {"step": step})
+    _damage(tmp_path / "2", how)
+    (tmp_path / "3").mkdir()    # a stray empty step directory
+    with caplog.at_level(logging.WARNING):
+        restored, meta = checkpoints.restore(checkpoints.open_manager(tmp_path, 1),
+                                             jax.eval_shape(lambda: state),
+                                             set_aside_damaged=True)
+    assert meta == {"step": 1}
+    np.testing.assert_array_equal(restored["w"], np.arange(512) + 1)
+    log = caplog.text
+    for step in (3, 2):
+        assert f"checkpoint {tmp_path / str(step)} is damaged" in log
+        assert (tmp_path / f"{step}.damaged").is_dir()
+    assert f"resuming from step 1 of {tmp_path}" in log
+    assert checkpoints.open_manager(tmp_path).all_steps() == [1]
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    state = {"w": jnp.arange(512, dtype=jnp.float32)}
+    checkpoints.save(checkpoints.open_manager(tmp_path, 1), 1, state, {"step": 1})
+    _damage(tmp_path / "1", "deleted")
+    with pytest.raises(ValueError, match=f"every checkpoint in {tmp_path} is damaged"):
+        checkpoints.restore(checkpoints.open_manager(tmp_path), jax.eval_shape(lambda: state))
+
+
+def test_training_resumes_from_the_newest_intact_step(model, tmp_path, caplog):
+    """Steps 2 and 4 saved, step 4 bit-flipped: the resumed run retrains steps 3-4 from step 2
+    and ends bitwise equal to the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    kwargs = dict(checkpoint_dir=ckpt, checkpoint_every=2, **GATE_TRAINING)
+    want = gates.train_gates(model, _RandomGateData(), **kwargs)
+    _damage(ckpt / "4", "bit-flipped")
+    steps = []
+    with caplog.at_level(logging.WARNING):
+        got = gates.train_gates(model, _RandomGateData(), callback=lambda s, m: steps.append(s),
+                                **kwargs)
+    assert steps == [3, 4]
+    assert f"checkpoint {ckpt / '4'} is damaged" in caplog.text
+    assert "resuming from step 2" in caplog.text
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
