@@ -25,7 +25,7 @@ from sparsejax import methods as M
 from sparsejax.generate import prompt_lengths
 from sparsejax.models import ModelConfig, param_shapes, save_pretrained, stack_layers
 from sparsejax.plan import dense_plan
-from sparsejax.train import checkpoints, gates
+from sparsejax.train import checkpoints, gates, pretrain
 from sparsejax.train.checkpoints import CheckpointSaveError
 from sparsejax.train.passkey import GateBatch
 
@@ -93,6 +93,18 @@ def test_float_lengths_are_refused(model):
 def test_non_finite_knobs_are_refused(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_non_finite_training_knobs_are_refused(model):
+    with pytest.raises(ValueError, match="minutes=nan: expected a finite value > 0"):
+        pretrain.train(pretrain.recipe("tiny"), minutes=math.nan)
+    with pytest.raises(ValueError, match="minutes=inf"):
+        pretrain.train(pretrain.recipe("tiny"), minutes=math.inf)
+    for name in ("lr", "lambda_lr"):
+        with pytest.raises(ValueError, match=f"{name}=inf: expected a finite value > 0"):
+            gates.train_gates(model, _RandomGateData(), **{**GATE_TRAINING, name: math.inf})
+    with pytest.raises(ValueError, match=r"ratio=nan: expected a budget ratio in \(0, 1\]"):
+        M.budget_ratio_methods(CFG, math.nan, 64)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -273,8 +273,8 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
     for name, value in (("lr", lr), ("lambda_lr", lambda_lr)):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r}: expected > 0")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r}: expected a finite value > 0")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
     model = model.replace(params=stack_layers(model.params, c))   # the student scans layers
@@ -411,7 +411,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="longest prompt (default: the model's context minus the targets)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   help="Orbax checkpoints; a run resumes from the newest intact one there "
                    "(default: none)")
     p.add_argument("--checkpoint-every", type=positive_int, default=100,
                    help="steps between checkpoints")
@@ -427,7 +427,8 @@ def run(args) -> int:
     model = sparsejax.from_pretrained(args.model, dtype=compute_dtype())
     tokenizer = sparsejax.load_tokenizer(args.model)
     data = PasskeyData(tokenizer, min_length=args.min_length,
-                       max_length=args.max_length or args.min_length, filler=args.data,
+                       max_length=(args.min_length if args.max_length is None
+                                   else args.max_length), filler=args.data,
                        seed=args.seed)
     if args.max_length is None:
         longest = model.config.max_position_embeddings - data.target_width

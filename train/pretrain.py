@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -399,8 +400,8 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
     first). Resumes from the newest intact checkpoint in `checkpoint_dir` when there is one."""
     if steps is None and minutes is None:
         raise ValueError("give steps= or minutes= (the training length)")
-    if minutes is not None and minutes <= 0:
-        raise ValueError(f"minutes={minutes}: expected > 0")
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"minutes={minutes}: expected a finite value > 0")
     if steps is not None and steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
     dtype = jnp.dtype(compute_dtype())
@@ -691,7 +692,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="continue from this exported checkpoint (its --size), with the "
                         "continued-training stages and learning rate (default: from scratch)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   help="Orbax checkpoints; a run resumes from the newest intact one there "
                    "(default: none)")
     p.add_argument("--checkpoint-every", type=positive_int, default=500,
                    help="steps between checkpoints")
