@@ -17,6 +17,8 @@ import numpy as np
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 ROPE_TYPES = ("default", "llama3", "linear")
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "intermediate_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +86,11 @@ class ModelConfig:
     # ---- HF config.json -------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError(f"config.json holds a {type(d).__name__}: expected a JSON object")
+        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json is missing {missing}")
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json model_type={model_type!r} is not supported: "
@@ -100,7 +107,7 @@ class ModelConfig:
             raise ValueError(f"config.json pretraining_tp={d['pretraining_tp']} is not supported")
         num_heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
-        head_dim = d.get("head_dim") or hidden // num_heads
+        head_dim = hidden // num_heads if d.get("head_dim") is None else d["head_dim"]
         rope_theta, rope_scaling = _read_rope(d)
         sliding_window = None
         if model_type == "mistral":
@@ -121,7 +128,8 @@ class ModelConfig:
             hidden_size=hidden,
             num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            num_kv_heads=(num_heads if d.get("num_key_value_heads") is None
+                          else d["num_key_value_heads"]),
             head_dim=head_dim,
             intermediate_size=d["intermediate_size"],
             rope_theta=float(rope_theta),
@@ -139,7 +147,15 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+        """The config of an HF `config.json`; errors name the file."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_hf_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that transformers loads into the same architecture."""
@@ -176,10 +192,23 @@ class ModelConfig:
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, tuple[str, tuple[tuple[str, float], ...]]]:
     """rope theta and scaling from either HF layout: `rope_theta` + `rope_scaling` (transformers
-    4.x) or `rope_parameters` (transformers 5.x)."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    4.x) or `rope_parameters` (transformers 5.x).
+
+    A config with both that disagree is refused: transformers 4 reads only `rope_scaling`, and
+    transformers 5 lets a non-empty `rope_scaling` replace `rope_parameters` but takes
+    `rope_theta` from elsewhere, so such a file describes different models to different readers.
+    """
+    given = {name: d[name] for name in ("rope_parameters", "rope_scaling") if d.get(name)}
+    if not all(isinstance(p, dict) for p in given.values()):
+        raise ValueError(f"config.json rope fields {given}: expected JSON objects")
+    read = {name: _rope_fields(d, p) for name, p in given.items()}
+    if len(read) == 2 and read["rope_parameters"] != read["rope_scaling"]:
+        raise ValueError(
+            f"config.json rope_parameters {given['rope_parameters']} and the legacy rope_scaling "
+            f"{given['rope_scaling']} disagree (transformers 4 reads only rope_scaling, 5 "
+            "prefers it): keep one of them")
+    params = given.get("rope_scaling", given.get("rope_parameters", {}))
+    theta, (rope_type, _) = _rope_fields(d, params)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"config.json rope_scaling type {rope_type!r} is not supported: "
                          f"expected one of {ROPE_TYPES}")
@@ -190,6 +219,13 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, tuple[str, tuple[tuple[str, fl
     if missing:
         raise ValueError(f"config.json rope_scaling ({rope_type}) is missing {missing}")
     return theta, (rope_type, tuple((k, float(params[k])) for k in keys))
+
+
+def _rope_fields(d: dict[str, Any], params: dict[str, Any]):
+    """(theta, (type, other fields)) of one rope dict, for comparing the two layouts."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    rest = {k: v for k, v in params.items() if k not in ("rope_type", "type", "rope_theta")}
+    return params.get("rope_theta", d.get("rope_theta", 10000.0)), (rope_type, rest)
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -73,20 +73,41 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a JSON object: {e}") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has weight_map={weight_map!r:.80}: expected an object "
+                             "from tensor names to shard file names")
         files = {name: path / f for name, f in weight_map.items()}
         for f in set(files.values()):
             if not f.exists():
                 raise ValueError(f"{index} lists shard {f.name}, which does not exist")
         return files
     if single.exists():
-        with safe_open(single, framework="numpy") as f:
-            return {name: single for name in f.keys()}
+        return {name: single for name in _open(single).keys()}
     raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
 
 
-def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> Params:
+def _open(file: Path):
+    """safe_open(file), with an error that names a damaged file."""
+    try:
+        return safe_open(file, framework="numpy")
+    except Exception as e:   # SafetensorError for a damaged header, OSError, ...
+        raise ValueError(f"{file} is not a readable safetensors file ({e}): truncated or "
+                         "damaged?") from None
+
+
+def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
+                check_finite: bool = True) -> Params:
+    """Params of the checkpoint at `path` in `dtype` (a float dtype). Refuses non-float
+    tensors and, with `check_finite`, names the first tensor holding NaN or inf (in `dtype`)."""
     path = Path(path)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype={jnp.dtype(dtype).name}: expected a float dtype such as "
+                         "jnp.bfloat16 or jnp.float32")
     files = _tensor_files(path)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
     shapes = param_shapes(config)
@@ -99,14 +120,24 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> Pa
             raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
         f = files[name]
         if f not in opened:
-            opened[f] = safe_open(f, framework="numpy")
+            opened[f] = _open(f)
+        if name not in opened[f].keys():
+            raise ValueError(f"the index of {path} maps tensor {name!r} to {f.name}, which does "
+                             "not hold it")
         w = opened[f].get_tensor(name)
         hf_expected = _hf_shape(to_hf, expected)
         if tuple(w.shape) != tuple(hf_expected):
             raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}; "
                              f"config.json implies {tuple(hf_expected)}")
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+            raise ValueError(f"tensor {name!r} in {f} has dtype {w.dtype}: expected float "
+                             "weights (quantized checkpoints are not supported)")
         used.add(name)
-        w = w.astype(np_dtype)
+        with np.errstate(over="ignore"):   # a value past the dtype's range becomes inf: below
+            w = w.astype(np_dtype)
+        if check_finite and not np.isfinite(w).all():
+            raise ValueError(f"tensor {name!r} in {f} holds {np.size(w) - np.isfinite(w).sum()} "
+                             f"non-finite values (NaN or inf) in {np_dtype.name}")
         return w if fn is None else fn(w)
 
     # The per-layer layout (see models.decoder): each weight is its own device buffer.
@@ -147,29 +178,46 @@ def checkpoint_dir(path_or_id: str | Path) -> Path:
                          f"could not be loaded: {type(e).__name__}: {e}") from None
 
 
-def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16) -> Model:
+def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
+                    check_finite: bool = True) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
     a `Model`. The EOS of `generation_config.json`, when there is one, overrides config.json's,
-    as in transformers' `generate`."""
+    as in transformers' `generate`.
+
+    check_finite: scan every weight once and refuse NaN or inf, naming the first tensor that
+    holds one (a damaged or diverged checkpoint would otherwise decode NaN).
+    """
     path = checkpoint_dir(path_or_id)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(path / "config.json")
     generation = path / "generation_config.json"
     if generation.exists():
-        eos = json.loads(generation.read_text()).get("eos_token_id")
+        try:
+            eos = json.loads(generation.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"{generation} is not a JSON object: {e}") from None
         if eos is not None:
             config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
                                          else eos)
-    return Model(config=config, params=load_params(path, config, dtype))
+    return Model(config=config, params=load_params(path, config, dtype, check_finite=check_finite))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path_or_id: str | Path):
     """The checkpoint's tokenizer through transformers' AutoTokenizer (a directory, or a Hub id
     through the local cache as `from_pretrained` resolves it)."""
+    path = checkpoint_dir(path_or_id)
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        raise ValueError(f"{path} holds no tokenizer: expected one of {TOKENIZER_FILES}")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(checkpoint_dir(path_or_id)), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the tokenizer in {path} cannot be loaded: {e}") from e
 
 
 # ---- writing --------------------------------------------------------------------------------

@@ -170,6 +170,8 @@ def load_calibration(path, kind: str, model=None) -> dict:
         raise ValueError(f"kind={kind!r}: expected one of {CALIBRATED_METHODS}")
     try:
         calib = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"calibration file {path} cannot be read: {e.strerror}") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"calibration file {path} is not JSON: {e}") from None
     if not isinstance(calib, dict) or calib.get("format") != CALIBRATION_FORMAT:
@@ -245,16 +247,28 @@ def load_retrieval_heads(path, *, threshold: float = 0.5) -> np.ndarray:
 
 
 def _from_json(path: Path, threshold: float) -> dict:
-    record = json.loads(path.read_text())
-    if record.get("format") not in (GATES_FORMAT, _GATES_FORMAT_V1):
-        raise ValueError(f"{path} is not a gate file (format {record.get('format')!r}, expected "
-                         f"{GATES_FORMAT!r})")
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"gate file {path} is not valid JSON: {e}") from None
+    if not isinstance(record, dict) or record.get("format") not in (GATES_FORMAT,
+                                                                     _GATES_FORMAT_V1):
+        raise ValueError(f"{path} is not a gate file (expected format {GATES_FORMAT!r})")
+    rows = record.get("retrieval_heads")
+    if not (isinstance(rows, list) and rows and all(
+            isinstance(r, list) and len(r) == len(rows[0]) and all(isinstance(x, bool) for x in r)
+            for r in rows)):
+        raise ValueError(f"{path} field retrieval_heads={str(rows):.80}: expected "
+                         "[layers][kv_heads] booleans, every row as long")
     return record
 
 
 def _from_tsv(path: Path, threshold: float) -> dict:
-    scores = np.clip(np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2), 0, 1)
-    return {"retrieval_heads": scores >= threshold}
+    try:
+        scores = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
+    except ValueError as e:   # ragged rows, or cells that are not numbers
+        raise ValueError(f"gate file {path} is not a table of scores: {e}") from None
+    return {"retrieval_heads": np.clip(scores, 0, 1) >= threshold}
 
 
 def _from_reference(path: Path, threshold: float) -> dict:

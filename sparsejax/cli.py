@@ -227,8 +227,9 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:        # argparse has printed the usage error (or the help)
         return e.code
+    from sparsejax.train.checkpoints import CheckpointSaveError
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, CheckpointSaveError) as e:
         print(f"sparsejax {args.command}: error: {e}", file=sys.stderr)
         return 2

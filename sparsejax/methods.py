@@ -525,6 +525,8 @@ def fitted_beside(model_dir: str | Path | None, model, calibrated: bool = True) 
 def budget_ratio_methods(config: ModelConfig, ratio: float, context: int, *,
                          retrieval_heads=None, calibration=None) -> dict[str, Any]:
     """Every registered method at one budget ratio of the context (see `MethodSpec`)."""
+    if not (math.isfinite(ratio) and 0 < ratio <= 1):
+        raise ValueError(f"ratio={ratio}: expected a budget ratio in (0, 1]")
     fitted = Fitted(retrieval_heads, calibration or {})
     tokens = max(1, math.ceil(ratio * context))
     return {name: spec.at_budget(config, tokens, ratio, fitted) for name, spec in REGISTRY.items()}

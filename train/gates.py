@@ -30,7 +30,7 @@ from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Budget, SparsePlan
 
-from . import hardkuma
+from . import checkpoints, hardkuma
 from .passkey import GateBatch, PasskeyData
 
 LOSSES = ("logits", "hidden")
@@ -273,8 +273,8 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: expected an int >= 1")
     for name, value in (("lr", lr), ("lambda_lr", lambda_lr)):
-        if not value > 0:
-            raise ValueError(f"{name}={value!r}: expected > 0")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}={value!r}: expected a finite value > 0")
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
     model = model.replace(params=stack_layers(model.params, c))   # the student scans layers
@@ -288,9 +288,10 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
     state = init_gate_state(c.num_layers, c.num_kv_heads, training, seed, fingerprint)
     manager = None
     if checkpoint_dir is not None:
-        manager = _manager(checkpoint_dir, checkpoint_every)
-        if manager.latest_step() is not None:
-            state, stored = _restore(manager, state)
+        manager = checkpoints.open_manager(checkpoint_dir, checkpoint_every)
+        restored = _restore(manager, state, set_aside_damaged=True)
+        if restored is not None:
+            state, stored = restored
             changed = sorted(k for k in meta if stored.get(k) != meta[k])
             if changed:
                 raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} holds a run with other "
@@ -314,12 +315,8 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
                 _save(manager, state, meta)
     finally:
         bar.close()
-        if manager is not None:     # an interrupted run still finishes its last checkpoint
-            manager.wait_until_finished()
-    if manager is not None:
-        if int(state.step) not in manager.all_steps():
-            _save(manager, state, meta, force=True)
-        manager.wait_until_finished()
+    if manager is not None and int(state.step) not in manager.all_steps():
+        _save(manager, state, meta, force=True)
     return state
 
 
@@ -346,33 +343,18 @@ def _progress(total: int, initial: int, enabled: bool):
 
 
 # ---- checkpoints ----------------------------------------------------------------------------
-def _manager(directory: str | Path, every: int | None = None):
-    """Orbax's manager of `directory`: saving every `every` steps, or only reading (None:
-    then it does not create the directory)."""
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(save_interval_steps=every or 1, max_to_keep=3,
-                                           create=every is not None)
-    return ocp.CheckpointManager(Path(directory).resolve(), options=options)
-
-
 def _save(manager, state: GateState, meta: dict, force: bool = False) -> None:
-    import orbax.checkpoint as ocp
-
     step = int(state.step)
-    record = {**meta, "step": step, "gates": gate_record(state)}
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                               meta=ocp.args.JsonSave(record)), force=force)
+    checkpoints.save(manager, step, state, {**meta, "step": step, "gates": gate_record(state)},
+                     force=force)
 
 
-def _restore(manager, like: GateState) -> tuple[GateState, dict]:
-    import orbax.checkpoint as ocp
-
-    abstract = jax.eval_shape(lambda: like)
-    out = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-    leaves = jax.tree.leaves(out.state)
-    return jax.tree.unflatten(jax.tree.structure(like), leaves), out.meta
+def _restore(manager, like: GateState, **kwargs) -> tuple[GateState, dict] | None:
+    restored = checkpoints.restore(manager, jax.eval_shape(lambda: like), **kwargs)
+    if restored is None:
+        return None
+    leaves = jax.tree.leaves(restored[0])
+    return jax.tree.unflatten(jax.tree.structure(like), leaves), restored[1]
 
 
 def restore_gate_state(checkpoint_dir: str | Path) -> GateState:
@@ -382,7 +364,7 @@ def restore_gate_state(checkpoint_dir: str | Path) -> GateState:
         raise ValueError(f"checkpoint_dir={str(checkpoint_dir)!r} holds no gate checkpoint")
     like = init_gate_state(*meta["shape"], GateTraining.from_json(meta["training"]),
                            meta["seed"], artifacts.Fingerprint.from_json(meta["fingerprint"]))
-    return _restore(_manager(checkpoint_dir), like)[0]
+    return _restore(checkpoints.open_manager(checkpoint_dir), like)[0]
 
 
 # ---- gate files -----------------------------------------------------------------------------
@@ -429,7 +411,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="longest prompt (default: the model's context minus the targets)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   help="Orbax checkpoints; a run resumes from the newest intact one there "
                    "(default: none)")
     p.add_argument("--checkpoint-every", type=positive_int, default=100,
                    help="steps between checkpoints")
@@ -445,7 +427,8 @@ def run(args) -> int:
     model = sparsejax.from_pretrained(args.model, dtype=compute_dtype())
     tokenizer = sparsejax.load_tokenizer(args.model)
     data = PasskeyData(tokenizer, min_length=args.min_length,
-                       max_length=args.max_length or args.min_length, filler=args.data,
+                       max_length=(args.min_length if args.max_length is None
+                                   else args.max_length), filler=args.data,
                        seed=args.seed)
     if args.max_length is None:
         longest = model.config.max_position_embeddings - data.target_width

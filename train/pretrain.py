@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -29,7 +30,7 @@ import optax
 from sparsejax.models import Model, ModelConfig, forward, init_params, save_pretrained, unembed
 from sparsejax.models.decoder import cast_params, num_params
 
-from . import data
+from . import checkpoints, data
 from .tokenizer import BOS_ID, EOS_ID, save_tokenizer, vocabulary
 
 # eval samples take indices from here on, so they never coincide with a training sample
@@ -384,30 +385,6 @@ def dense_accuracy(model: Model, samples: list[data.Sample], rows: int, width: i
             for task, by_ctx in hits.items()}
 
 
-# ---- checkpoints ----------------------------------------------------------------------------
-def _checkpoint_manager(directory: Path, every: int):
-    import orbax.checkpoint as ocp
-
-    return ocp.CheckpointManager(
-        directory.resolve(),
-        options=ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=3))
-
-
-def _save(manager, state: TrainState, meta: dict, force: bool = False):
-    import orbax.checkpoint as ocp
-
-    manager.save(meta["step"], args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=force)
-
-
-def _restore(manager, abstract_state: TrainState) -> tuple[TrainState, dict]:
-    import orbax.checkpoint as ocp
-
-    out = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-    return TrainState(*out.state), out.meta
-
-
 # ---- training -------------------------------------------------------------------------------
 class Run(NamedTuple):
     """What `train` returns: the final state and the training log."""
@@ -420,23 +397,25 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 500,
           log_every: int = 50, workers: int = 0, progress: bool = True) -> Run:
     """Train under `recipe` for `steps` steps or `minutes` of training (both: whichever ends
-    first). Resumes from the latest checkpoint in `checkpoint_dir` when there is one."""
+    first). Resumes from the newest intact checkpoint in `checkpoint_dir` when there is one."""
     if steps is None and minutes is None:
         raise ValueError("give steps= or minutes= (the training length)")
-    if minutes is not None and minutes <= 0:
-        raise ValueError(f"minutes={minutes}: expected > 0")
+    if minutes is not None and not (math.isfinite(minutes) and minutes > 0):
+        raise ValueError(f"minutes={minutes}: expected a finite value > 0")
     if steps is not None and steps < 1:
         raise ValueError(f"steps={steps}: expected >= 1")
     dtype = jnp.dtype(compute_dtype())
     recipe_json = json.loads(json.dumps(dataclasses.asdict(recipe), default=str))
-    manager = None if checkpoint_dir is None else _checkpoint_manager(Path(checkpoint_dir),
-                                                                      checkpoint_every)
+    manager = None if checkpoint_dir is None else checkpoints.open_manager(checkpoint_dir,
+                                                                           checkpoint_every)
     state, meta = init_state(recipe, 1, seed), None
     if init is not None:
         state = state._replace(params=load_init(recipe, init))
         state = state._replace(opt_state=make_optimizer(recipe).init(state.params))
-    if manager is not None and manager.latest_step() is not None:
-        state, meta = _restore(manager, jax.eval_shape(lambda: state))
+    restored = None if manager is None else checkpoints.restore(
+        manager, jax.eval_shape(lambda: state), set_aside_damaged=True)
+    if restored is not None:
+        state, meta = TrainState(*restored[0]), restored[1]
         if meta["recipe"] != recipe_json or meta["seed"] != seed:
             raise ValueError(f"checkpoint_dir={checkpoint_dir} holds a run of another recipe or "
                              f"seed (seed {meta['seed']}): use another checkpoint directory")
@@ -473,9 +452,10 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
     log["compile_seconds"].append(round(compile_s, 1))
 
     def checkpoint(force=False):
-        _save(manager, state, {"step": int(state.step), "recipe": recipe_json, "seed": seed,
-                               "plan": list(plan.stage_steps), "log": log,
-                               "train_seconds": train_s + time.perf_counter() - seg_t}, force)
+        checkpoints.save(manager, int(state.step), state,
+                         {"step": int(state.step), "recipe": recipe_json, "seed": seed,
+                          "plan": list(plan.stage_steps), "log": log,
+                          "train_seconds": train_s + time.perf_counter() - seg_t}, force=force)
 
     start = int(state.step)
     evals = eval_samples(recipe, seed, recipe.eval_samples)
@@ -526,7 +506,6 @@ def train(recipe: Recipe, *, steps: int | None = None, minutes: float | None = N
     if manager is not None:
         if int(state.step) not in manager.all_steps():
             checkpoint(force=True)
-        manager.wait_until_finished()
     return Run(state, log)
 
 
@@ -713,7 +692,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="continue from this exported checkpoint (its --size), with the "
                         "continued-training stages and learning rate (default: from scratch)")
     p.add_argument("--checkpoint-dir", default=None,
-                   help="Orbax checkpoints; a run resumes from the latest one there "
+                   help="Orbax checkpoints; a run resumes from the newest intact one there "
                    "(default: none)")
     p.add_argument("--checkpoint-every", type=positive_int, default=500,
                    help="steps between checkpoints")
@@ -762,7 +741,7 @@ def main(argv=None) -> int:
         return e.code
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, checkpoints.CheckpointSaveError) as e:
         print(f"sparsejax pretrain: error: {e}", file=sys.stderr)
         return 2
 
