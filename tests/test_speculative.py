@@ -190,20 +190,20 @@ def test_round_leaves_the_state_of_the_kept_tokens(prompts):
         np.testing.assert_allclose(v_got[:, pages, :, slots], v_ref[:, pages, :, slots], atol=1e-5)
 
     kmin, kmax = page_bounds_reference(ref, held)
-    lse, o_est = fold_reference(before.state["prior"], ref, LENGTHS, kept)
+    lse, o_est = fold_reference(before.state.prior, ref, LENGTHS, kept)
 
     def check(state):
-        for got, want in ((state["kmin"], kmin), (state["kmax"], kmax)):
+        for got, want in ((state.kmin, kmin), (state.kmax, kmax)):
             got = np.asarray(got)
             np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
             np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], atol=1e-5)
-        np.testing.assert_allclose(np.asarray(state["prior"].lse), lse, rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(state["prior"].o_est), o_est, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.prior.lse), lse, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(state.prior.o_est), o_est, rtol=1e-4, atol=1e-5)
 
     check(after.state)
     for field in ("mu_q", "mu_k", "length"):
-        np.testing.assert_array_equal(np.asarray(getattr(after.state["prior"], field)),
-                                      np.asarray(getattr(before.state["prior"], field)))
+        np.testing.assert_array_equal(np.asarray(getattr(after.state.prior, field)),
+                                      np.asarray(getattr(before.state.prior, field)))
     # negative control: the state as the drafts left it
     _, _, drafted = jax.jit(draft, static_argnames=("plan", "num_tokens", "sampling"))(
         model, before, last, plan, gamma, Sampling(), jax.random.key(0))
