@@ -246,7 +246,7 @@ def test_checkpoints_detect_damage(tmp_path, caplog, how):
     for step in (3, 2):
         assert f"checkpoint {tmp_path / str(step)} is damaged" in log
         assert (tmp_path / f"{step}.damaged").is_dir()
-    assert f"resuming from step 1 of {tmp_path}" in log
+    assert f"using step 1 of {tmp_path}, the newest intact one" in log
     assert checkpoints.open_manager(tmp_path).all_steps() == [1]
 
 
@@ -271,7 +271,7 @@ def test_training_resumes_from_the_newest_intact_step(model, tmp_path, caplog):
                                 **kwargs)
     assert steps == [3, 4]
     assert f"checkpoint {ckpt / '4'} is damaged" in caplog.text
-    assert "resuming from step 2" in caplog.text
+    assert "using step 2 of" in caplog.text
     for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

@@ -30,21 +30,21 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written; the run stops rather than train on unsaved."""
 
 
-def open_manager(directory: str | Path, every: int | None = None, *, name="checkpoint_dir"):
+def open_manager(directory: str | Path, every: int | None = None):
     """Orbax's manager of `directory`: saving every `every` steps (the directory is created),
     or only reading (None)."""
     import orbax.checkpoint as ocp
 
     path = Path(directory)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{name}={str(directory)!r} is a file: expected a directory")
+        raise ValueError(f"checkpoint_dir={str(directory)!r} is a file: expected a directory")
     if every is not None:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ValueError(f"{name}={str(directory)!r} cannot be created: {e}") from None
+            raise ValueError(f"checkpoint_dir={str(directory)!r} cannot be created: {e}") from None
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{name}={str(directory)!r} is not writable")
+            raise ValueError(f"checkpoint_dir={str(directory)!r} is not writable")
     options = ocp.CheckpointManagerOptions(save_interval_steps=every or 1, max_to_keep=3,
                                            create=every is not None,
                                            enable_async_checkpointing=False)
@@ -76,35 +76,33 @@ def save(manager, step: int, state, meta: dict, *, force: bool = False) -> None:
                                   f"failed ({type(e).__name__}: {e}); training stopped") from e
 
 
-def restore(manager, abstract_state=None, *, set_aside_damaged: bool = False):
+def restore(manager, abstract_state, *, set_aside_damaged: bool = False):
     """(state, meta) of the newest intact step, or None when there is no checkpoint.
 
-    abstract_state: shapes and dtypes (jax.eval_shape); None reads meta only (state None; the
-      checksum needs the state, so then only unreadable steps count as damaged).
+    abstract_state: the state's shapes and dtypes (jax.eval_shape).
     set_aside_damaged: move damaged newer steps aside (a run about to save them again).
     Raises ValueError when every step is damaged."""
     import orbax.checkpoint as ocp
 
     damaged = []
     for step in sorted(manager.all_steps(), reverse=True):
-        items = {"meta": ocp.args.JsonRestore()}
-        if abstract_state is not None:
-            items["state"] = ocp.args.StandardRestore(abstract_state)
         try:
-            out = manager.restore(step, args=ocp.args.Composite(**items))
-            state, meta = out["state"] if "state" in items else None, dict(out.meta)
+            out = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+            state, meta = out.state, dict(out.meta)
             stored = meta.pop(CHECKSUM, None)
-            if stored is not None and state is not None and stored != _checksum(state, meta):
+            if stored is not None and stored != _checksum(state, meta):
                 raise ValueError(f"checksum {stored} does not match the data read back")
         except Exception as e:   # Orbax and TensorStore raise many kinds
             damaged.append(step)
             logger.warning("checkpoint %s is damaged (%s: %s); trying the step before it",
                            Path(manager.directory) / str(step), type(e).__name__,
-                           str(e).splitlines()[0][:200])
+                           str(e).partition("\n")[0][:200])
             continue
-        if damaged and set_aside_damaged:
-            _move_aside(manager, damaged)
-            logger.warning("resuming from step %d of %s", step, manager.directory)
+        if damaged:
+            logger.warning("using step %d of %s, the newest intact one", step, manager.directory)
+            if set_aside_damaged:
+                _move_aside(manager, damaged)
         return state, meta
     if damaged:
         raise ValueError(f"every checkpoint in {manager.directory} is damaged (steps "
