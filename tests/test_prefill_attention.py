@@ -299,6 +299,16 @@ def test_lowers_for_cuda(head_dim, page_size, dtype, group, sparse):
     assert "triton" in lower_for_cuda(fn, *args)
 
 
+def test_lowers_for_cuda_with_a_cache_over_4gib():
+    """The correction benchmark's shape: offsets past 2**31 elements."""
+    S = jax.ShapeDtypeStruct
+    cache = S((32 * 16 * 2050, 8, 16, 128), jnp.bfloat16)
+    args = (S((16, 32, 32, 128), jnp.bfloat16), cache, cache, S((16, 2050), jnp.int32),
+            S((16,), jnp.int32), S((16,), jnp.int32))
+    assert "triton" in lower_for_cuda(
+        lambda *a: paged_prefill_attention(*a, backend="pallas", interpret=False), *args)
+
+
 def test_tile_scores_lower_for_cuda():
     S = jax.ShapeDtypeStruct
     args = [S((1, 256, 32, 128), jnp.bfloat16), S((80, 8, 16, 128), jnp.bfloat16),
