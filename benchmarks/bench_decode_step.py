@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import harness
+import shapes
 
 QWEN_1_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28,
                  num_heads=12, num_kv_heads=2, head_dim=128, intermediate_size=8960,
@@ -50,24 +51,7 @@ def methods_for(config):
 
 def random_cache(config, plan, batch, context, steps, key):
     """A cache holding `context` random tokens per row (and random RESA priors if needed)."""
-    from sparsejax import cache as kv
-    from sparsejax.resa import Prior
-
-    c = kv.allocate(config, batch, context + steps, page_size=plan.page_size, dtype=jnp.bfloat16)
-    kk, kv_, kp = jax.random.split(key, 3)
-    c = c.replace(k=jax.random.normal(kk, c.k.shape, jnp.bfloat16),
-                  v=jax.random.normal(kv_, c.v.shape, jnp.bfloat16),
-                  lengths=jnp.full((batch,), context, jnp.int32))
-    if plan.residual is not None:
-        L, HQ, HK, D = config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim
-        ks = jax.random.split(kp, 4)
-        c = c.replace(state=kv.MethodState(prior=Prior(
-            mu_q=jax.random.normal(ks[0], (L, batch, HQ, D)),
-            mu_k=jax.random.normal(ks[1], (L, batch, HK, D)),
-            lse=10 + jax.random.normal(ks[2], (L, batch, HQ)),
-            o_est=jax.random.normal(ks[3], (L, batch, HQ, D)),
-            length=jnp.full((L, batch), context, jnp.int32))))
-    return c
+    return shapes.random_cache(config, plan, batch, context, steps, key)
 
 
 def time_steps(model, plan, cache, tokens, *, calls, repeats):

@@ -269,7 +269,8 @@ def test_sampling_follows_the_dense_distribution(monkeypatch):
         counts12 = np.bincount(toks[:, 0] * V + toks[:, 1], minlength=V * V)
         counts3 = np.bincount(toks[:, 2], minlength=V)
         rate = float(np.asarray(out.accepted).sum() / np.asarray(out.drafted).sum())
-        return chi_square_pvalue(counts12, joint12.ravel()), chi_square_pvalue(counts3, marginal3), rate
+        return (chi_square_pvalue(counts12, joint12.ravel()),
+                chi_square_pvalue(counts3, marginal3), rate)
 
     p12, p3_, rate = pvalues()
     print(f"p-values {p12:.3g} {p3_:.3g}, acceptance {rate:.2f}")

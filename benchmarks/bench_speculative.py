@@ -1,0 +1,306 @@
+"""Lossless mode's speed: greedy `generate(draft_tokens=γ)` against dense `generate`.
+
+    python benchmarks/bench_speculative.py                 # GPU, both parts (a few minutes)
+    python benchmarks/bench_speculative.py --part random   # one part: embedded | random
+    python benchmarks/bench_speculative.py --smoke         # CPU: tiny shapes, logic only
+
+1. embedded: the embedded model on its four tasks at 4096 tokens (train/data.py prompts,
+   EOS-terminated answers), each drafter at a budget of 10% of the context with what ships
+   beside the model (DELTA's and Kascade's calibration, Lychee's gates), as `sparsejax eval`
+   runs them. Per drafter, γ and batch: acceptance rate, tokens/s of the whole call and of
+   the decode phase (the call minus a prefill-only call), speedup over dense `generate`, and
+   whether every token equals dense's.
+2. random: random-weight DS-R1-Distill-Qwen-1.5B shapes (bf16) at 16k tokens, where
+   acceptance means nothing: the cost model's inputs — ms of one draft step per drafter, of
+   one dense verify of γ + 1 tokens, and of one dense decode step — and what they predict.
+
+Cost model: with per-token acceptance α, a round of γ drafts yields
+E = (1 - α^(γ+1)) / (1 - α) tokens for γ·t_draft + t_verify, so the speedup over dense
+decoding is E·t_dense / (γ·t_draft + t_verify); `break_even_acceptance` is the α where it is 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import harness
+from bench_decode_step import QWEN_1_5B, TINY, methods_for, random_cache, time_steps
+
+DRAFTERS = ("delta", "kascade", "lychee", "streaming")
+
+
+def tokens_per_round(alpha: float, gamma: int) -> float:
+    """Expected tokens a round keeps when each draft is accepted with probability alpha."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def predicted_speedup(alpha, gamma, draft_ms, verify_ms, dense_ms) -> float:
+    return tokens_per_round(alpha, gamma) * dense_ms / (gamma * draft_ms + verify_ms)
+
+
+def break_even_acceptance(gamma, draft_ms, verify_ms, dense_ms) -> float | None:
+    """The acceptance rate at which lossless mode matches dense decoding (None: never)."""
+    lo, hi = 0.0, 1.0
+    if predicted_speedup(hi, gamma, draft_ms, verify_ms, dense_ms) < 1:
+        return None
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted_speedup(mid, gamma, draft_ms, verify_ms, dense_ms) < 1 \
+            else (lo, mid)
+    return hi
+
+
+# ---- 1. the embedded model on its tasks -------------------------------------------------------
+def embedded_drafters(model, context: int, names=DRAFTERS) -> dict:
+    """The drafters at 10% of the context, with the calibration and gates shipped beside the
+    embedded model (as `sparsejax eval` uses them)."""
+    import sparsejax
+    from sparsejax import methods as M
+
+    path = sparsejax.embedded_model_path()
+    calibration = {kind: path / "calibration" / f"{kind}.json" for kind in ("delta", "kascade")}
+    heads = np.asarray(M.Lychee(gates=sorted((path / "gates").glob("*.json"))[0]).retrieval_heads)
+    every = M.budget_ratio_methods(model.config, 0.1, context, retrieval_heads=heads,
+                                   calibration=calibration)
+    return {name: every[name] for name in names}
+
+
+def decode_rate(tokens: int, call_s: float, prefill_s: float) -> float | None:
+    """Tokens/s of the decode phase: the call's time minus a prefill-only call's (None when
+    timing noise leaves nothing)."""
+    return tokens / (call_s - prefill_s) if call_s > prefill_s else None
+
+
+def timed_call(run, ids, lengths, repeats: int):
+    """(median seconds of a compiled generate call, its output)."""
+    out, samples = None, []
+    for _ in range(repeats + 1):            # the first call warms up
+        t0 = time.perf_counter()
+        out = run(ids, lengths)
+        jax.block_until_ready(out.tokens)
+        samples.append(time.perf_counter() - t0)
+    return float(np.median(samples[1:])), out
+
+
+def run_embedded(args) -> list[dict]:
+    import sparsejax
+    from sparsejax.generate import compile_generate
+    from sparsejax.train import data
+
+    dtype = jnp.float32 if args.dtype == "f32" else jnp.bfloat16
+    model = sparsejax.from_pretrained(sparsejax.embedded_model_path(), dtype=dtype)
+    context, max_new = args.context, data.MAX_ANSWER_TOKENS
+    drafters = embedded_drafters(model, context)
+    rows = []
+    for batch in args.batches:
+        # the four tasks in turn, so every batch mixes them
+        samples = [data.make_sample(data.TASKS[i % 4], context, 0, i // 4) for i in range(batch)]
+        ids, lengths = data.prompt_batch(samples)
+        kw = dict(lengths=lengths, eos_token_id=data.EOS_ID, prefill_chunk=args.prefill_chunk)
+        prefill_s, _ = timed_call(compile_generate(model, ids, max_new_tokens=1, **kw), ids,
+                                  lengths, args.repeats)
+        dense_s, dense = timed_call(compile_generate(model, ids, max_new_tokens=max_new, **kw),
+                                    ids, lengths, args.repeats)
+        dense_tokens = np.asarray(dense.tokens)
+        new = int(np.sum(np.asarray(dense.num_generated)))
+        dense_decode = decode_rate(new - batch, dense_s, prefill_s)
+        accuracy = float(np.mean([data.check_answer(t, s) for t, s in zip(dense_tokens, samples)]))
+        rows.append(harness.row("dense", context=context, batch=batch, ms=dense_s * 1e3,
+                                tokens_per_s=round(new / dense_s, 1),
+                                decode_tokens_per_s=_round(dense_decode),
+                                prefill_ms=round(prefill_s * 1e3, 3), accuracy=accuracy))
+        print(f"B={batch} dense: {dense_s * 1e3:.1f} ms (prefill {prefill_s * 1e3:.1f}), "
+              f"decode {_round(dense_decode)} tok/s, accuracy {accuracy:.2f}", flush=True)
+        for name, method in drafters.items():
+            for gamma in (args.gammas if batch == args.sweep_batch else (args.gamma,)):
+                run = compile_generate(model, ids, max_new_tokens=max_new, method=method,
+                                       draft_tokens=gamma, **kw)
+                spec_s, out = timed_call(run, ids, lengths, args.repeats)
+                drafted, accepted = np.asarray(out.drafted), np.asarray(out.accepted)
+                identical = bool(np.array_equal(np.asarray(out.tokens), dense_tokens))
+                decode = decode_rate(new - batch, spec_s, prefill_s)
+                decode_speedup = decode / dense_decode if decode and dense_decode else None
+                rate = float(accepted.sum() / max(drafted.sum(), 1))
+                rows.append(harness.row(
+                    f"{name} γ={gamma}", context=context, batch=batch, ms=spec_s * 1e3,
+                    peer="dense generate", peer_ms=dense_s * 1e3, drafter=name, gamma=gamma,
+                    acceptance=round(rate, 4), tokens_per_s=round(new / spec_s, 1),
+                    decode_tokens_per_s=_round(decode),
+                    speedup_vs_dense=round(dense_s / spec_s, 3),
+                    decode_speedup_vs_dense=_round(decode_speedup),
+                    identical_to_dense=identical))
+                print(f"B={batch} {name} γ={gamma}: acceptance {rate:.2f}, "
+                      f"{spec_s * 1e3:.1f} ms ({dense_s / spec_s:.2f}x dense), decode phase "
+                      f"{_round(decode_speedup)}x, identical {identical}",
+                      flush=True)
+    return rows
+
+
+# ---- 2. random weights: the cost model --------------------------------------------------------
+def time_verify(model, cache, batch: int, gamma: int, *, calls: int, repeats: int) -> float:
+    """Median ms of one dense verify of γ + 1 tokens per row at the cache's lengths."""
+    from sparsejax import speculative
+
+    verify = jax.jit(speculative.verify, donate_argnums=1)
+    tokens = jnp.zeros((batch, gamma + 1), jnp.int32)
+    # a copy of the lengths: the cache's own buffer is donated
+    start, num = jnp.array(np.asarray(cache.lengths)), jnp.full((batch,), gamma + 1, jnp.int32)
+    for _ in range(2):
+        logits, cache = verify(model, cache, tokens, start, num)
+    jax.block_until_ready(logits)
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            logits, cache = verify(model, cache, tokens, start, num)
+        jax.block_until_ready(logits)
+        samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return float(np.median(samples))
+
+
+def run_random(args) -> list[dict]:
+    import sparsejax
+    from sparsejax import methods as M
+    from sparsejax.models import ModelConfig, init_params
+
+    config = ModelConfig(**(TINY if args.smoke else QWEN_1_5B))
+    model = sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
+    context = args.random_context
+    methods = {k: v for k, v in methods_for(config).items() if k in ("dense",) + DRAFTERS}
+    methods["streaming"] = M.StreamingLLM(sinks=4, window=min(1024, context // 8))
+    rows = []
+    for batch in args.batches:
+        steps, verify = {}, {}
+        for name, method in methods.items():
+            plan = method.to_plan(config, None)
+            cache = random_cache(config, plan, batch, context, 2 + args.calls * args.repeats,
+                                 jax.random.key(1))
+            steps[name] = time_steps(model, plan, cache, jnp.zeros((batch,), jnp.int32),
+                                     calls=args.calls, repeats=args.repeats)
+            del cache
+            print(f"B={batch} {name} step: {steps[name]:.3f} ms", flush=True)
+        for gamma in args.gammas:
+            cache = random_cache(config, methods["dense"].to_plan(config, None), batch, context,
+                                 gamma + 1, jax.random.key(1))
+            verify[gamma] = time_verify(model, cache, batch, gamma, calls=args.calls,
+                                        repeats=args.repeats)
+            del cache
+            print(f"B={batch} verify γ={gamma}: {verify[gamma]:.3f} ms", flush=True)
+        dense = steps["dense"]
+        rows += [harness.row(f"step {name}", context=context, batch=batch, ms=ms,
+                             peer="dense step", peer_ms=dense) for name, ms in steps.items()]
+        rows += [harness.row(f"verify γ={gamma}", context=context, batch=batch, ms=ms,
+                             peer="dense step", peer_ms=dense, gamma=gamma)
+                 for gamma, ms in verify.items()]
+        for name in DRAFTERS:
+            for gamma in args.gammas:
+                t = (gamma, steps[name], verify[gamma], dense)
+                rows.append(harness.row(
+                    f"cost model {name} γ={gamma}", context=context, batch=batch,
+                    ms=gamma * steps[name] + verify[gamma], peer="dense step", peer_ms=dense,
+                    drafter=name, gamma=gamma, draft_ms=round(steps[name], 4),
+                    verify_ms=round(verify[gamma], 4),
+                    break_even_acceptance=_round(break_even_acceptance(*t)),
+                    **{f"predicted_speedup_at_{a}": round(predicted_speedup(a, *t), 3)
+                       for a in (0.5, 0.7, 0.8, 0.9, 1.0)}))
+    return rows
+
+
+def _round(x, digits: int = 3):
+    return None if x is None else round(x, digits)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    emb = [r for r in rows if r.get("part") == "embedded" and r.get("drafter")]
+    if emb:
+        batch = max({r["batch"] for r in emb}, key=lambda b: sum(x["batch"] == b for x in emb))
+        for name in DRAFTERS:
+            rs = sorted((r for r in emb if r["drafter"] == name and r["batch"] == batch),
+                        key=lambda r: r["gamma"])
+            if rs:
+                axes[0].plot([r["gamma"] for r in rs], [r["speedup_vs_dense"] for r in rs],
+                             marker="o", label=f"{name} (acceptance "
+                             f"{min(r['acceptance'] for r in rs):.2f}-"
+                             f"{max(r['acceptance'] for r in rs):.2f})")
+        axes[0].axhline(1.0, color="gray", lw=0.8)
+        axes[0].set(xlabel="draft tokens γ", ylabel="tokens/s ÷ dense generate",
+                    title=f"embedded model, 4 tasks at {emb[0]['context']}, B={batch}")
+        axes[0].legend(fontsize=8)
+    cost = [r for r in rows if r["case"].startswith("cost model")]
+    if cost:
+        batch = max(r["batch"] for r in cost)
+        gamma = sorted({r["gamma"] for r in cost})[len({r["gamma"] for r in cost}) // 2]
+        alphas = np.linspace(0, 1, 101)
+        for r in (r for r in cost if r["batch"] == batch and r["gamma"] == gamma):
+            axes[1].plot(alphas, [predicted_speedup(a, gamma, r["draft_ms"], r["verify_ms"],
+                                                    r["peer_ms"]) for a in alphas],
+                         label=f"{r['drafter']} (break-even α {r['break_even_acceptance']})")
+        axes[1].axhline(1.0, color="gray", lw=0.8)
+        axes[1].set(xlabel="acceptance rate α", ylabel="predicted speedup over dense",
+                    title=f"cost model, DS-Qwen-1.5B shapes, {cost[0]['context'] // 1024}k, "
+                    f"B={batch}, γ={gamma}")
+        axes[1].legend(fontsize=8)
+    fig.suptitle(f"Lossless mode (sparse drafts, dense verify), {harness.device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    if os.environ.get("OUT"):
+        fig.savefig(os.path.join(os.environ["OUT"], path.name), dpi=120)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, logic only")
+    p.add_argument("--part", choices=("all", "embedded", "random"), default="all")
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--gammas", default="2,4,8")
+    p.add_argument("--gamma", type=int, default=4, help="γ at the batches outside the sweep")
+    p.add_argument("--sweep-batch", type=int, default=16, help="the batch every γ runs at")
+    p.add_argument("--context", type=int, default=4096, help="embedded model's prompts")
+    p.add_argument("--random-context", type=int, default=16384)
+    p.add_argument("--dtype", choices=("f32", "bf16"), default="f32",
+                   help="the embedded model's (f32 as `sparsejax eval`)")
+    p.add_argument("--prefill-chunk", type=int, default=1024,
+                   help="prefill in chunks (bounds the f32 prefill's memory at B=64)")
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.gammas = [int(g) for g in args.gammas.split(",")]
+    if args.smoke:
+        args.batches, args.gammas, args.gamma, args.sweep_batch = [2], [2], 2, 2
+        args.context, args.random_context, args.prefill_chunk = 128, 256, 64
+        args.calls, args.repeats = 1, 1
+    rows = []
+    if args.part in ("all", "embedded"):
+        rows += [dict(r, part="embedded") for r in run_embedded(args)]
+    if args.part in ("all", "random"):
+        rows += [dict(r, part="random") for r in run_random(args)]
+    harness.print_table(rows, cols=("part", "case", "batch", "ms", "peer_ms", "ratio_to_peer",
+                                    "acceptance", "identical_to_dense"))
+    if args.smoke:      # the plot too, away from the results
+        plot(rows, Path(tempfile.mkdtemp()) / "speculative.png")
+        return
+    name = "speculative" if args.part == "all" else f"speculative_{args.part}"
+    harness.write_results(name, rows, embedded_model=f"retrieval-tiny, {args.dtype}, 4 tasks, "
+                          f"greedy, budget 10%, prefill_chunk {args.prefill_chunk}",
+                          random_model="DS-R1-Distill-Qwen-1.5B shapes, random weights, bf16")
+    plot(rows, harness.RESULTS / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()
