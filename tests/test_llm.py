@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import sparsejax
-from sparsejax.models import ModelConfig, init_params
+from sparsejax.models import ModelConfig, init_params, unstack_layers
 from sparsejax.train import data
 
 
@@ -48,7 +48,9 @@ def test_from_pretrained_takes_a_hub_id_from_the_offline_cache(tmp_path, monkeyp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     loaded = sparsejax.from_pretrained("org/tiny", dtype=jnp.float32)
     assert loaded.config == config
-    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(model.params)):
+    want = unstack_layers(model.params)   # from_pretrained returns the per-layer layout
+    assert jax.tree.structure(loaded.params) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert sparsejax.load_tokenizer("org/tiny")("the")["input_ids"]
     with pytest.raises(ValueError, match="'org/absent'"):
