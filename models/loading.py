@@ -73,10 +73,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text()).get("weight_map")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ValueError(f"{index} is not a JSON object: {e}") from None
+        weight_map = _json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index} has weight_map={weight_map!r:.80}: expected an object "
@@ -89,6 +86,17 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     if single.exists():
         return {name: single for name in _open(single).keys()}
     raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+
+
+def _json_object(file: Path) -> dict:
+    """The JSON object in `file`, or a ValueError naming the file."""
+    try:
+        obj = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file} is not a JSON object: it holds a {type(obj).__name__}")
+    return obj
 
 
 def _open(file: Path):
@@ -193,10 +201,7 @@ def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
     config = ModelConfig.from_json(path / "config.json")
     generation = path / "generation_config.json"
     if generation.exists():
-        try:
-            eos = json.loads(generation.read_text()).get("eos_token_id")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ValueError(f"{generation} is not a JSON object: {e}") from None
+        eos = _json_object(generation).get("eos_token_id")
         if eos is not None:
             config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
                                          else eos)
