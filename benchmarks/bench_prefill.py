@@ -54,6 +54,27 @@ DTYPE = jnp.bfloat16
 SWEEP = [(None, None, None, None), (32, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2),
          (16, 64, 4, 3), (64, 32, 8, 2), (32, 64, 8, 3)]
 SWEEP_CONTEXT = 32768
+META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
+            weights="kascade_weighted = (1/32 + 4/32) anchor + 27/32 reuse (Kascade Table 3)",
+            floor="causal attention FLOPs 2*T^2*HQ*d at 989 TFLOP/s")
+
+
+class Rows(list):
+    """Rows printed as they come and written (partial) after each, so a run cut short by a
+    time limit still shows and keeps how far it got."""
+
+    def __init__(self, smoke):
+        super().__init__()
+        self.smoke = smoke
+
+    measured: list = []    # every part's rows so far
+
+    def append(self, row):
+        super().append(row)
+        Rows.measured.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items() if v is not None), flush=True)
+        if not self.smoke:
+            harness.write_results("prefill", Rows.measured, partial=True, **META)
 
 
 def timer(smoke):
@@ -93,7 +114,7 @@ def sweep(cfg, smoke):
     (None keeps the default) -> (the fastest knobs, one row per knob set)."""
     context = cfg["contexts"][0] if smoke else SWEEP_CONTEXT
     q, k, v, table = paged_layer(jax.random.key(0), context, cfg)
-    rows, best = [], None
+    rows, best = Rows(smoke), None
     for knobs in SWEEP[:2] if smoke else SWEEP:
         tuning = {n: x for n, x in zip(("block_q", "block_n", "num_warps", "num_stages"), knobs)
                   if x is not None}
@@ -168,7 +189,7 @@ def random_model(cfg):
 
 def model_rows(model, cfg, smoke):
     time = timer(smoke)
-    rows = []
+    rows = Rows(smoke)
     config = model.config
     for context in cfg["model_contexts"]:
         ids = jax.random.randint(jax.random.key(1), (1, context), 0, config.vocab_size)
@@ -207,20 +228,28 @@ def correction_rows(model, cfg, smoke):
     decode_ms = time(step, model, cache, tokens[:, 0])
     fix = jax.jit(functools.partial(correct, plan=plan))
     correct_ms = time(fix, model, cache, tokens)
-    return [harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms),
-            harness.row(f"correction_every_{n}", context=context, batch=batch, ms=correct_ms,
-                        peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
-                        share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))]
+    rows = Rows(smoke)
+    for row in (harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms),
+                harness.row(f"correction_every_{n}", context=context, batch=batch,
+                            ms=correct_ms, peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
+                            share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))):
+        rows.append(row)
+    return rows
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     parser.add_argument("--parts", default="layer,model,correction")
+    parser.add_argument("--contexts", default=None,
+                        help="comma-separated contexts of the layer part (default: 8k-128k)")
     args = parser.parse_args(argv)
     if not (args.smoke or jax.default_backend() == "gpu"):
         raise SystemExit("needs a GPU; use --smoke to exercise the script on CPU")
     cfg = SMOKE if args.smoke else FULL
+    parts = args.parts.split(",")
+    if args.contexts:
+        cfg = dict(cfg, contexts=tuple(int(c) for c in args.contexts.split(",")))
     parts = args.parts.split(",")
     rows = layer_rows(cfg, args.smoke) if "layer" in parts else []
     if {"model", "correction"} & set(parts):
@@ -229,10 +258,7 @@ def main(argv=None):
         rows += correction_rows(model, cfg, args.smoke) if "correction" in parts else []
     harness.print_table(rows)
     if not args.smoke:
-        path = harness.write_results(
-            "prefill", rows, shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
-            weights="kascade_weighted = (1/32 + 4/32) anchor + 27/32 reuse (Kascade Table 3)",
-            floor="causal attention FLOPs 2*T^2*HQ*d at 989 TFLOP/s")
+        path = harness.write_results("prefill", rows, parts=parts, **META)
         print(f"wrote {path}")
 
 
