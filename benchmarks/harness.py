@@ -94,6 +94,8 @@ def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
 
 
 KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
+    ("collective", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather",
+                    "reduce_scatter", "collective_permute")),
     ("attention", ("paged_decode", "sparse_decode", "prefill_attention", "cudnn", "flash")),
     ("topk", ("topk",)),
     ("matmul", ("gemm", "gemv", "xmma", "cutlass", "cublas", "dot", "matmul", "sm90", "nvjet")),

@@ -27,6 +27,8 @@ Params = dict[str, Any]
 class Model:
     config: ModelConfig = flax.struct.field(pytree_node=False)
     params: Params
+    # the jax.sharding.Mesh the params are placed on (`sparsejax.shard`), else None
+    mesh: Any = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def dtype(self):

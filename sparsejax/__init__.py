@@ -14,6 +14,7 @@ from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, deco
 from sparsejax.llm import LLM
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
+from sparsejax.sharding import shard
 
 __version__ = "0.1.0"
 
@@ -32,5 +33,5 @@ __all__ = [
     "Score", "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step",
     "embedded_model_path",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
-    "save_pretrained",
+    "save_pretrained", "shard",
 ]

@@ -58,17 +58,27 @@ def check_page_size(page_size) -> None:
 
 
 def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-             dtype=jnp.bfloat16) -> PagedKVCache:
+             dtype=jnp.bfloat16, mesh=None, kv_copies: int = 1) -> PagedKVCache:
     """An empty cache for `batch` rows of up to `capacity` tokens each.
 
     Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
-    equally valid — the kernels only go through `page_table`.
+    equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
+    each data shard's rows). `mesh`: laid out for tensor parallelism on it
+    (`sparsejax.sharding`). `kv_copies`: each KV head stored that many times in a row (what a
+    mesh with more model ranks than KV heads needs; a mesh sets it).
     """
     check_page_size(page_size)
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
+    if mesh is not None:
+        from sparsejax import sharding  # sharding builds on this module
+        sharding.check_mesh(mesh, config, batch)
+        return sharding.allocate(lambda: allocate(
+            config, batch, capacity, page_size=page_size, dtype=dtype,
+            kv_copies=sharding.kv_copies(config, mesh)), config, mesh)
     max_pages = -(-capacity // page_size)
-    shape = (config.num_layers, batch * max_pages, config.num_kv_heads, page_size, config.head_dim)
+    shape = (config.num_layers, batch * max_pages, config.num_kv_heads * kv_copies, page_size,
+             config.head_dim)
     need, free = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize, memory_available()
     if need > free:
         raise ValueError(f"a KV cache of {batch} rows × {capacity} tokens needs "
@@ -115,6 +125,13 @@ def layer_page_ids(pages: jax.Array, layer, num_pages: int) -> jax.Array:
     return pages + layer * num_pages
 
 
+def replicate_kv_heads(x: jax.Array, heads: int, axis: int) -> jax.Array:
+    """Each of x's KV heads (on `axis`) repeated in place up to `heads` in all: the layout of a
+    cache whose KV heads are replicated over tensor-parallel ranks."""
+    copies = heads // x.shape[axis]
+    return x if copies == 1 else jnp.repeat(x, copies, axis=axis)
+
+
 def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
                  lengths: jax.Array) -> PagedKVCache:
     """Write every layer's prompt keys/values [L, B, T, HK, D] and set `lengths` [B]."""
@@ -122,6 +139,7 @@ def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
     page, slot = token_address(cache.page_table, jnp.broadcast_to(jnp.arange(T), (B, T)),
                                cache.page_size)
     layer = jnp.arange(L)[:, None, None]
+    keys, values = (replicate_kv_heads(x, cache.k.shape[2], axis=3) for x in (keys, values))
     k = cache.k.at[layer, page[None], :, slot[None]].set(keys.astype(cache.k.dtype))
     v = cache.v.at[layer, page[None], :, slot[None]].set(values.astype(cache.v.dtype))
     return cache.replace(k=k, v=v, lengths=lengths.astype(jnp.int32))
@@ -134,6 +152,7 @@ def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: j
     pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
     Tokens whose page is out of range (>= the number of pages) are dropped.
     """
+    k, v = (replicate_kv_heads(x, k_flat.shape[1], axis=-2) for x in (k, v))
     k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype), mode="drop")
     v_flat = v_flat.at[pages, :, slots].set(v.astype(v_flat.dtype), mode="drop")
     return k_flat, v_flat

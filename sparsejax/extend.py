@@ -9,15 +9,17 @@ Layers run in a Python loop with static per-layer parameter slices.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import cache as kv
-from sparsejax import resa, selection
+from sparsejax import resa, selection, sharding
 from sparsejax.models import Model, attention_inputs, embed, finish_layer, layer_params, unembed
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
-from sparsejax.plan import Role, SparsePlan
+from sparsejax.plan import Role, Selection, SparsePlan
 
 
 def held_after(lengths: jax.Array, start: jax.Array, num_tokens: jax.Array) -> jax.Array:
@@ -64,19 +66,16 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
         table = cache.page_table + offset
         role = None if tile is None else plan.roles[layer]
+        mapped = None
+        if role == Role.REUSE:   # the head map, read in the global view
+            mapped = Selection(indices=sel.indices[:, :, head_map[layer]],
+                               count=sel.count[:, :, head_map[layer]])
+        attend = functools.partial(_attend_chunk, role=role, plan=plan, capacity=cache.capacity)
+        if model.mesh is not None:
+            attend = sharding.prefill_attention(attend, model.mesh, c)
         with jax.named_scope("attention_prefill"):
-            if role == Role.REUSE:
-                out = paged_prefill_attention(
-                    q, k_flat, v_flat, table, start, num_tokens, tile=tile,
-                    indices=sel.indices[:, :, head_map[layer]],
-                    count=sel.count[:, :, head_map[layer]]).out
-            else:
-                out, lse = paged_prefill_attention(q, k_flat, v_flat, table, start, num_tokens)
-        if role == Role.SELECT:
-            with jax.named_scope("select_tiles"):
-                scores = paged_tile_scores(q, k_flat, table, start, num_tokens, lse, tile=tile)
-                tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
-                sel = selection.select_tiles(plan, scores, tile_lo, cache.capacity)
+            out, selected = attend(q, k_flat, v_flat, mapped, table, start, num_tokens)
+        sel = sel if selected is None else selected
         h = finish_layer(c, lp, h, out)
         if state is not None and state.kmin is not None:
             state = selection.refresh_page_bounds(state, layer, k_flat, offset,
@@ -88,6 +87,23 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     cache = cache.replace(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape),
                           state=state)
     return h, cache, (jnp.stack(q_sums), jnp.stack(k_sums)) if sums else None
+
+
+def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, plan, capacity):
+    """One layer's attention of a chunk of queries q [B, C, HQ, D] -> (out [B, C, HQ, D], the
+    selection per tile and KV head when the layer selects (Kascade's sparse prefill), else
+    None). A REUSE layer attends to `sel`, already through its head map."""
+    tile = None if plan is None else plan.prefill_tile
+    if role == Role.REUSE:
+        return paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens, tile=tile,
+                                       indices=sel.indices, count=sel.count).out, None
+    out, lse = paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens)
+    if role != Role.SELECT:
+        return out, None
+    with jax.named_scope("select_tiles"):
+        scores = paged_tile_scores(q, k_pages, table, start, num_tokens, lse, tile=tile)
+        tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
+        return out, selection.select_tiles(plan, scores, tile_lo, capacity)
 
 
 def extend(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, num_tokens: jax.Array,
@@ -158,7 +174,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
     if resa_prior:
         mu_q, mu_k = (x / jnp.maximum(lengths, 1)[None, :, None, None].astype(jnp.float32)
                       for x in sums)
-        prior = resa.prior_from_cache(cache, mu_q, mu_k, lengths)
+        prior = resa.prior_from_cache(model, cache, mu_q, mu_k, lengths)
         cache = cache.replace(state=(cache.state or kv.MethodState()).replace(prior=prior))
     return unembed(model, last), cache
 
@@ -175,7 +191,7 @@ def correct(model: Model, cache: kv.PagedKVCache, tokens: jax.Array,
                                 jnp.full_like(start, N))
     if plan.residual is not None and plan.residual.fold_decode_tokens:
         prior = cache.state.prior
-        fresh = resa.prior_from_cache(cache, prior.mu_q, prior.mu_k, cache.lengths)
+        fresh = resa.prior_from_cache(model, cache, prior.mu_q, prior.mu_k, cache.lengths)
         cache = cache.replace(state=cache.state.replace(prior=prior._replace(
             lse=fresh.lse, o_est=fresh.o_est)))
     return cache

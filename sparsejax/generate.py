@@ -14,9 +14,10 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparsejax import cache as kv
-from sparsejax import selection, speculative
+from sparsejax import selection, sharding, speculative
 from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
@@ -39,17 +40,28 @@ class Sampling(NamedTuple):
 
 # ---- the two model passes -------------------------------------------------------------------
 def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths: jax.Array,
-            plan: SparsePlan, chunk: int | None = None):
+            plan: SparsePlan, chunk: int | None = None, mesh=None):
     """Dense forward over right-padded prompts; writes the pages, computes method state.
 
     chunk: None runs the whole prompt in one pass; an int runs it `chunk` tokens at a time
     over the paged cache (`sparsejax.extend.chunked_prefill`: bounded activation memory,
     the same logits up to rounding). Kascade's sparse prefill always takes that path.
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache). Concrete ids and
-    lengths are checked (see `generate`).
+    lengths are checked (see `generate`). `mesh`: run tensor- (and data-) parallel on it,
+    as does a model placed with `sparsejax.shard`; the cache from `allocate(..., mesh=mesh)`.
     """
     input_ids = token_ids(input_ids, model.config.vocab_size)
     lengths = prompt_lengths(lengths, *input_ids.shape)
+    model = _placed(model, mesh, input_ids.shape[0])
+    if model.mesh is not None:
+        return sharding.spmd(functools.partial(_prefill, plan=plan, chunk=chunk), model.mesh,
+                             (model, cache, input_ids, lengths),
+                             lambda out: _step_specs(model, out[1]))
+    return _prefill(model, cache, input_ids, lengths, plan, chunk)
+
+
+def _prefill(model, cache, input_ids, lengths, plan, chunk=None):
+    """`prefill` of valid inputs (on one data shard under a mesh)."""
     if chunk is not None or plan.prefill_tile is not None:
         return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
@@ -61,16 +73,46 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
 
 
 def decode_step(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparsePlan,
-                diagnostics: bool = False):
+                diagnostics: bool = False, mesh=None):
     """One token per row: write its K/V at position `lengths`, attend, advance `lengths`.
 
-    Returns (logits [B, vocab] f32, cache[, per-layer diagnostics]).
+    Returns (logits [B, vocab] f32, cache[, per-layer diagnostics]). `mesh`: as in `prefill`.
     """
-    h = embed(model, token_ids(tokens, model.config.vocab_size, "tokens"))
+    tokens = token_ids(tokens, model.config.vocab_size, "tokens")
+    model = _placed(model, mesh, tokens.shape[0])
+    if model.mesh is not None:
+        rows = sharding.batch_spec(model.mesh)
+        step_specs = _step_specs(model, cache)
+        specs = step_specs if not diagnostics else (   # diagnostics: [layers, B, ...]
+            lambda out: (*step_specs, jax.tree.map(lambda _: P(None, *rows), out[2])))
+        return sharding.spmd(functools.partial(_decode_step, plan=plan, diagnostics=diagnostics),
+                             model.mesh, (model, cache, tokens), specs)
+    return _decode_step(model, cache, tokens, plan, diagnostics)
+
+
+def _decode_step(model, cache, tokens, plan, diagnostics=False):
+    """`decode_step` (on one data shard under a mesh)."""
+    h = embed(model, tokens)
     h, cache, diag = decode_layers(model, cache, h, plan, diagnostics)
     cache = cache.replace(lengths=cache.lengths + 1)
     logits = unembed(model, h)
     return (logits, cache, diag) if diagnostics else (logits, cache)
+
+
+def _placed(model: Model, mesh, batch: int) -> Model:
+    """The model on `mesh` (None: wherever it is), checked against the batch."""
+    if mesh is not None and mesh != model.mesh:
+        model = sharding.shard(model, mesh)
+    if model.mesh is not None:
+        sharding.check_mesh(model.mesh, model.config, batch)
+    return model
+
+
+def _step_specs(model: Model, cache):
+    """Specs of (logits [B, vocab], cache): vocabulary on "model", rows on "data"."""
+    mesh = model.mesh
+    return (P(*sharding.batch_spec(mesh), sharding.MODEL),
+            sharding.cache_specs(cache, model.config, mesh))
 
 
 # ---- sampling -------------------------------------------------------------------------------
@@ -105,7 +147,7 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
              rng: jax.Array | None = None, page_size: int | None = None,
              return_diagnostics: bool = False, prefill_chunk: int | None = None,
-             correct_every: int | None = None, draft_tokens: int | None = None
+             correct_every: int | None = None, draft_tokens: int | None = None, mesh=None
              ) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
@@ -125,6 +167,9 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     `draft_tokens` (γ): lossless mode. The method drafts γ tokens per round and one dense pass
     over them verifies; the output is dense generation's (token for token when greedy, in
     distribution when sampling), and `drafted` / `accepted` count the drafts per row.
+    `mesh`: a `jax.sharding.Mesh` with an axis "model" (tensor parallel) and optionally "data"
+    (rows); the model is placed on it with `sparsejax.shard` (a model already placed runs on
+    its own mesh). See `sparsejax.sharding`.
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -136,7 +181,7 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
                             eos_token_id=eos_token_id, rng=rng, page_size=page_size,
                             return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
-                            correct_every=correct_every, draft_tokens=draft_tokens)
+                            correct_every=correct_every, draft_tokens=draft_tokens, mesh=mesh)
     return _generate(*args, **static)
 
 
@@ -184,7 +229,7 @@ def _right_padded(input_ids, attention_mask):
 def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
              rng=None, page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
-             correct_every=None, draft_tokens=None):
+             correct_every=None, draft_tokens=None, mesh=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
     if attention_mask is not None:
         if lengths is not None:
@@ -220,6 +265,11 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
         eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
     eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
     rng = jax.random.key(0) if rng is None else rng
+    model = _placed(model, mesh, B)
+    if model.mesh is not None:
+        rows = NamedSharding(model.mesh, sharding.batch_spec(model.mesh))
+        input_ids, lengths = jax.device_put(input_ids, rows), jax.device_put(lengths, rows)
+        rng = jax.device_put(rng, NamedSharding(model.mesh, P()))
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
@@ -247,14 +297,33 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
                                              "diagnostics", "prefill_chunk", "correct_every",
                                              "draft_tokens"))
-def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-              diagnostics, prefill_chunk, correct_every, draft_tokens):
+def _generate(model, input_ids, lengths, rng, **static):
+    run = functools.partial(_generate_rows, **static)
+    if model.mesh is None:
+        return run(model, input_ids, lengths, rng)
+    rows = sharding.batch_spec(model.mesh)
+    counts = None if static["draft_tokens"] is None else rows
+    specs = GenerateOutput(rows, rows, None, counts, counts)
+    if static["diagnostics"]:   # [steps, layers, B, ...]
+        return sharding.spmd(run, model.mesh, (model, input_ids, lengths, rng),
+                             lambda out: specs._replace(diagnostics=jax.tree.map(
+                                 lambda _: P(None, None, *rows), out.diagnostics)))
+    return sharding.spmd(run, model.mesh, (model, input_ids, lengths, rng), specs)
+
+
+def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
+                   diagnostics, prefill_chunk, correct_every, draft_tokens):
+    """`_generate` over the rows of one data shard (all rows without a mesh)."""
     B, T = input_ids.shape
     # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
     # length (rows that finished still run the round's batched compute, unkept)
     capacity = T + max_new_tokens - 1 + (0 if draft_tokens is None else draft_tokens + 1)
-    cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
-    logits, cache = prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
+    mesh = model.mesh
+    cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
+                        kv_copies=1 if mesh is None else sharding.kv_copies(model.config, mesh))
+    if mesh is not None:
+        cache = sharding.constrain(cache, sharding.cache_specs(cache, model.config, mesh), mesh)
+    logits, cache = _prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
     is_eos = lambda t: jnp.any(t[:, None] == eos_ids[None, :], axis=-1)  # noqa: E731
@@ -269,7 +338,7 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
     diag = None
     if diagnostics:
         diag = jax.tree.map(lambda x: jnp.zeros((max_new_tokens - 1,) + x.shape, x.dtype),
-                            jax.eval_shape(lambda c: decode_step(model, c, first, plan, True)[2],
+                            jax.eval_shape(lambda c: _decode_step(model, c, first, plan, True)[2],
                                            cache))
 
     def cond(s):
@@ -278,7 +347,7 @@ def _generate(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling,
 
     def body(s):
         step, tokens, done, num, cache, key, diag = s
-        out = decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
+        out = _decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
         logits, cache = out[0], out[1]
         if correct_every is not None:   # the cache now holds generated tokens 0 .. step-1
             recent = jax.lax.dynamic_slice_in_dim(tokens, step - correct_every, correct_every, 1)
@@ -308,7 +377,7 @@ def draft(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: SparseP
     """
     def step(carry, key):
         cache, token = carry
-        logits, cache = decode_step(model, cache, token, plan)
+        logits, cache = _decode_step(model, cache, token, plan)
         if sampling.temperature == 0.0:
             token = sample(logits, key, sampling)
             return (cache, token), (token, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import flax.struct
 import jax
@@ -82,6 +82,8 @@ class Selector:
     unit: tokens per selected index — 1, the page size, or a multiple of it (blocks).
     groups: "shared" (one set for all heads), "kv" (per KV head), "query" (per query head).
     sinks / recent: tokens always kept at the start / end of the context (rounded up to units).
+    head_shards: set by `sparsejax.sharding` inside its shard_map only: the scores that pool
+      over every head (MAX_HEADS, ALL_HEADS_SUM) then reduce across devices.
     """
     score: Score
     unit: int
@@ -89,6 +91,7 @@ class Selector:
     budget: Budget
     sinks: int = 0
     recent: int = 0
+    head_shards: Any = None
 
     def __post_init__(self):
         if self.score not in tuple(Score):
@@ -222,3 +225,10 @@ class Selection:
     def empty(cls, batch: int, groups: int, k_max: int) -> "Selection":
         return cls(indices=jnp.full((batch, groups, k_max), -1, jnp.int32),
                    count=jnp.zeros((batch, groups), jnp.int32))
+
+
+class Attended(NamedTuple):
+    """What a layer's heads attended to: `sel` through `head_map`, except `dense_heads`."""
+    sel: Selection
+    head_map: jax.Array | None
+    dense_heads: jax.Array | None

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sparsejax import sharding
 from sparsejax.cache import layer_pages
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention
@@ -50,17 +51,24 @@ def init_prior(out: ForwardOutput, lengths: jax.Array) -> Prior:
     return Prior(out.query_means, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
 
 
-def prior_from_cache(cache, mu_q: jax.Array, mu_k: jax.Array, length: jax.Array) -> Prior:
+def prior_from_cache(model, cache, mu_q: jax.Array, mu_k: jax.Array, length: jax.Array) -> Prior:
     """Stacked [L, ...] priors from the paged cache: mu_q [L, B, HQ, D] and mu_k [L, B, HK, D]
     (f32 means over each row's first `length` [B] tokens) with lse and o_est attended over
     those tokens by the paged decode kernel (chunked prefill; re-folding after a correction)."""
     k_flat, v_flat = layer_pages(cache.k), layer_pages(cache.v)
+
+    def attend(q, k_pages, v_pages, table, length):
+        r = paged_decode_attention(q, k_pages, v_pages, table, length)
+        return r.lse, r.out.astype(jnp.float32)
+
+    if model.mesh is not None:
+        attend = sharding.prior_attention(attend, model.mesh, model.config)
     lse, o_est = [], []
     for layer in range(mu_q.shape[0]):
-        r = paged_decode_attention(mu_q[layer].astype(k_flat.dtype), k_flat, v_flat,
-                                   cache.page_table + layer * cache.num_pages, length)
-        lse.append(r.lse)
-        o_est.append(r.out.astype(jnp.float32))
+        r = attend(mu_q[layer].astype(k_flat.dtype), k_flat, v_flat,
+                   cache.page_table + layer * cache.num_pages, length)
+        lse.append(r[0])
+        o_est.append(r[1])
     L = mu_q.shape[0]
     return Prior(mu_q, mu_k, jnp.stack(lse), jnp.stack(o_est),
                  jnp.broadcast_to(length, (L,) + length.shape))

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa
-from sparsejax.cache import MethodState, PagedKVCache, layer_page_ids, layer_pages, token_address
+from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
+                             replicate_kv_heads, token_address)
 from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
@@ -20,7 +21,10 @@ from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 def kernel_score(s: Selector) -> Score:
     """The dense kernel's score mode a selecting layer asks for (the pooled Kascade rule sums
-    the kernel's per-group sums)."""
+    the kernel's per-group sums). With heads spread over devices, DELTA's per-token max over
+    all heads must cross devices before the page sums: the kernel hands back probabilities."""
+    if s.score == Score.MAX_HEADS and s.head_shards is not None:
+        return Score.HEAD_PROBS
     return Score.GROUP_SUM if s.score == Score.ALL_HEADS_SUM else s.score
 
 
@@ -69,13 +73,18 @@ def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Arr
     if s.score == Score.NONE:
         return jnp.zeros((B, 1, 1), jnp.float32)
     if s.score == Score.MAX_HEADS:         # [B, pages] page sums
+        if s.head_shards is not None:      # [B, HQ on this device, T] probabilities
+            per_token = s.head_shards.max(jnp.max(scores, axis=1))
+            scores = _pool(per_token, page_size, logits=False)
         return _pool(scores[:, None], s.unit // page_size, logits=False)
     if s.score == Score.QUEST_BOUND:       # [B, HQ, pages]
         return _pool(scores, s.unit // page_size, logits=True)
     if s.score == Score.ALL_HEADS_SUM:     # [B, HK, T] -> one shared row
         finite = jnp.isfinite(scores)
-        scores = jnp.where(jnp.any(finite, axis=1),
-                           jnp.sum(jnp.where(finite, scores, 0.0), axis=1), -jnp.inf)[:, None]
+        total = jnp.sum(jnp.where(finite, scores, 0.0), axis=1)
+        if s.head_shards is not None:
+            total = s.head_shards.sum(total)
+        scores = jnp.where(jnp.any(finite, axis=1), total, -jnp.inf)[:, None]
     return _pool(scores, s.unit, logits=s.score.is_logit)
 
 
@@ -203,6 +212,8 @@ def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
     lo = jnp.min(jnp.where(valid, kf, jnp.inf), axis=3)
     hi = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
     phys = cache.page_table[:, :pages]
+    HK = cache.k.shape[2]     # the cache's heads (KV heads replicated for a mesh)
+    lo, hi = (replicate_kv_heads(x, HK, axis=3) for x in (lo, hi))
     kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
     kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
     return kmin, kmax
@@ -272,7 +283,7 @@ def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
     if state is None:
         return None
     if state.kmin is not None:
-        kf = k.astype(jnp.float32)
+        kf = replicate_kv_heads(k.astype(jnp.float32), state.kmin.shape[2], axis=1)
         state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(kf),
                               kmax=state.kmax.at[layer, ctx.pages].max(kf))
     if state.prior is not None and plan.residual.fold_decode_tokens:

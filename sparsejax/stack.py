@@ -10,6 +10,9 @@ slice before its matmul, so a step reads the weights twice.
 The KV cache is carried flattened to [layers * num_pages, HK, P, D]; layer l's pages are
 addressed with `cache.layer_page_ids`, so kernels read the stacked cache in place and
 each step's token is written with one in-place update per layer.
+
+A model placed on a mesh (`sparsejax.shard`) runs each layer's attention and selection per
+device over its KV heads (`sharding.decode_attention`); the rest is the partitioner's.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsejax import resa, selection
+from sparsejax import resa, selection, sharding
 from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
                              token_address, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
@@ -27,7 +30,7 @@ from sparsejax.models import (Model, attention_inputs, attention_projection, fin
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
-from sparsejax.plan import Role, Score, Selection, SparsePlan
+from sparsejax.plan import Attended, Role, Score, Selection, SparsePlan
 
 
 class StepContext(NamedTuple):
@@ -115,22 +118,16 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
         state = selection.update_state(plan, state, layer, ctx, k, v)
     table = layer_page_ids(ctx.page_table, layer, num_pages)
     at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state)
+    attend = _attend if model.mesh is None else sharding.decode_attention(_attend, model.mesh)
     with jax.named_scope(f"attention_{role.name.lower()}"):
-        out, sel, attended = _attend(role, plan, c, at, carry.sel)
+        out, sel, attended = attend(role, plan, c, at, carry.sel)
     h = finish_layer(c, lp, carry.h, out)
     diag = None
     if diagnostics:
-        diag = _diagnostics(plan, at, out, attended, sel)
+        diag = _diagnostics(plan, c, at, out, attended, sel)
         # the layer's input and its attention block's output (Kascade's layer importance)
         diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
     return Carry(h, k_flat, v_flat, sel, state), diag
-
-
-class Attended(NamedTuple):
-    """What a layer's heads attended to: `sel` through `head_map`, except `dense_heads`."""
-    sel: Selection
-    head_map: jax.Array | None
-    dense_heads: jax.Array | None
 
 
 def _dense(at: LayerContext, **kwargs):
@@ -200,7 +197,7 @@ def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map):
 
 
 # ---- diagnostics ----------------------------------------------------------------------------
-def _diagnostics(plan, at: LayerContext, out, attended, carried):
+def _diagnostics(plan, config, at: LayerContext, out, attended, carried):
     """Per row (averaged over query heads): recall = dense attention mass inside what each
     head attended to; oracle_recall = the most mass any set of the same size could hold (the
     top-|S| probabilities); attn_error = relative L2 error of the layer's attention output
@@ -217,7 +214,7 @@ def _diagnostics(plan, at: LayerContext, out, attended, carried):
     else:
         sel = attended.sel
         mask = attended_mask(sel.indices, sel.count, lengths, num_positions=probs.shape[-1],
-                             num_heads=q.shape[1], num_kv_heads=at.k_pages.shape[1],
+                             num_heads=q.shape[1], num_kv_heads=config.num_kv_heads,
                              unit=plan.selector.unit, head_map=attended.head_map,
                              dense_heads=attended.dense_heads)
         recall = jnp.sum(jnp.where(mask, probs, 0.0), axis=-1)

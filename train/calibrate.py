@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsejax import sharding
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
 from sparsejax.cache import allocate, layer_page_ids, layer_pages
 from sparsejax.files import check_writable
@@ -71,9 +72,12 @@ def _check_prompts(prompts, lengths, decode_steps):
 
 
 def _measure_decoding(model: Model, prompts, lengths, *, decode_steps: int, batch_size: int,
-                      measure, options=(), progress: bool, desc: str):
+                      measure, options=(), progress: bool, desc: str, mesh=None):
     """Dense greedy decoding of `prompts` in batches; yields, per batch, `measure`'s outputs
-    (each [rows, ...]) stacked over the decode steps: [decode_steps, rows, ...] numpy."""
+    (each [rows, ...]) stacked over the decode steps: [decode_steps, rows, ...] numpy.
+    `mesh`: decode tensor-parallel on it (`sparsejax.shard`; a placed model runs on its own);
+    the per-layer score kernel of the measurements then reads K/V gathered by the
+    partitioner (calibration is offline: correctness over speed)."""
     from tqdm.auto import tqdm
 
     prompts, lengths = _check_prompts(prompts, lengths, decode_steps)
@@ -82,13 +86,16 @@ def _measure_decoding(model: Model, prompts, lengths, *, decode_steps: int, batc
     N, T = prompts.shape
     model.config.check_context(T + decode_steps)
     B = min(batch_size, N)
+    if mesh is not None:
+        model = sharding.shard(model, mesh)
     with tqdm(total=N * decode_steps, desc=desc, unit="token", disable=not progress) as bar:
         for start in range(0, N, B):
             rows = min(B, N - start)
             # A short last batch is filled with copies of its first prompt (dropped below), so
             # every batch has one shape and the step compiles once.
             pick = np.concatenate([np.arange(start, start + rows), np.full(B - rows, start)])
-            cache = allocate(model.config, B, T + decode_steps, dtype=model.dtype)
+            cache = allocate(model.config, B, T + decode_steps, dtype=model.dtype,
+                             mesh=model.mesh)
             tokens, cache = _prefill(model, cache, prompts[pick], lengths[pick])
             steps = []
             for _ in range(decode_steps):
@@ -100,7 +107,7 @@ def _measure_decoding(model: Model, prompts, lengths, *, decode_steps: int, batc
             yield jax.tree.map(lambda *xs: np.stack([np.asarray(x[:rows]) for x in xs]), *steps)
 
 
-def _layer_scores(cache, query, score: str) -> jax.Array:
+def _layer_scores(model, cache, query, score: str) -> jax.Array:
     """`paged_decode_attention`'s `score` for every layer's query of this step.
 
     query [L, B, HQ, D] -> [L, B, heads, max_pages * P] f32, 0 past each row's length. The
@@ -109,9 +116,13 @@ def _layer_scores(cache, query, score: str) -> jax.Array:
     L, B = query.shape[:2]
     layers = jnp.arange(L, dtype=jnp.int32)[:, None, None]
     tables = layer_page_ids(cache.page_table[None], layers, cache.num_pages).reshape(L * B, -1)
+    k, v = layer_pages(cache.k), layer_pages(cache.v)
+    copies = k.shape[1] // model.config.num_kv_heads
+    if copies > 1:   # a cache laid out for a mesh holds each KV head `copies` times
+        k, v = k[:, ::copies], v[:, ::copies]
     scores = paged_decode_attention(
-        query.reshape((L * B,) + query.shape[2:]), layer_pages(cache.k), layer_pages(cache.v),
-        tables, jnp.tile(cache.lengths, L), score=score).scores
+        query.reshape((L * B,) + query.shape[2:]), k, v, tables, jnp.tile(cache.lengths, L),
+        score=score).scores
     scores = scores.reshape((L, B) + scores.shape[1:])
     return jnp.where(jnp.isfinite(scores), scores, 0.0)
 
@@ -126,23 +137,24 @@ def _cosine(x: jax.Array, y: jax.Array) -> jax.Array:
 # ---- DELTA: the layer-shift probe -----------------------------------------------------------
 def _shift_measure(model, cache, diag):
     """-> [B, L-1]: 1 - cos between consecutive layers' concatenated per-head probabilities."""
-    probs = _layer_scores(cache, diag["query"], "head_probs")     # [L, B, HQ, T]
+    probs = _layer_scores(model, cache, diag["query"], "head_probs")     # [L, B, HQ, T]
     flat = probs.reshape(probs.shape[:2] + (-1,))
     return (1.0 - _cosine(flat[:-1], flat[1:])).T
 
 
 def attention_shift(model: Model, prompts, *, decode_steps: int, lengths=None,
-                    batch_size: int = 8, progress: bool = True) -> np.ndarray:
+                    batch_size: int = 8, progress: bool = True, mesh=None) -> np.ndarray:
     """DELTA's layer-shift probe (App. D) -> shift [layers - 1] float64.
 
     shift[l - 1] is the mean over decode steps and prompts of 1 - cos(a_{l-1}, a_l), where a_l
     is layer l's attention of the step's query: every query head's probabilities over the valid
     context, concatenated. Dense greedy decoding of `prompts` (right-padded ids [N, T] with
-    `lengths` [N]; default all T): prefill, then `decode_steps` measured steps.
+    `lengths` [N]; default all T): prefill, then `decode_steps` measured steps. `mesh`:
+    tensor parallel (see `_measure_decoding`).
     """
     parts = [s.mean(axis=0) for s in _measure_decoding(
         model, prompts, lengths, decode_steps=decode_steps, batch_size=batch_size,
-        measure=_shift_measure, progress=progress, desc="attention shift")]
+        measure=_shift_measure, progress=progress, desc="attention shift", mesh=mesh)]
     return np.concatenate(parts).mean(axis=0).astype(np.float64)
 
 
@@ -186,7 +198,7 @@ def _similarity_measure(model, cache, diag, k):
     """-> sim [B, L, L, HK, HK] (layer b head h2's mass on layer a head h1's top-k over its mass
     on its own top-k) and importance [B, L] (1 - cos(x, x + attn_out))."""
     # GQA pooling (Kascade §3.4): the query group's probabilities summed, normalised to sum 1
-    probs = _layer_scores(cache, diag["query"], "group_sum") / model.config.group_size
+    probs = _layer_scores(model, cache, diag["query"], "group_sum") / model.config.group_size
     top, index = jax.lax.top_k(probs, min(k, probs.shape[-1]))     # [L, B, HK, k]
     own = jnp.sum(top, axis=-1)                                     # [L, B, HK]
     chosen = jnp.put_along_axis(jnp.zeros_like(probs), index, 1.0, axis=-1, inplace=False)
@@ -198,7 +210,7 @@ def _similarity_measure(model, cache, diag, k):
 
 
 def kascade_similarity(model: Model, prompts, *, k: int = 64, decode_steps: int, lengths=None,
-                       batch_size: int = 8, progress: bool = True):
+                       batch_size: int = 8, progress: bool = True, mesh=None):
     """Kascade's cross-layer, cross-head similarity and layer importance.
 
     Returns (sim [L, L, HK, HK], importance [L]) float64:
@@ -210,7 +222,7 @@ def kascade_similarity(model: Model, prompts, *, k: int = 64, decode_steps: int,
         anchor; sim[a, a, h, h] = 1); NaN where a > b.
       importance[l] = 1 - cos(x, x + attn_out), x = layer l's input hidden state and attn_out
         its attention block's output (after o_proj); mean over decode steps and prompts.
-    Dense greedy decoding as in `attention_shift`.
+    Dense greedy decoding as in `attention_shift` (`mesh` too).
     """
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k={k!r}: expected an int >= 1")
@@ -218,7 +230,7 @@ def kascade_similarity(model: Model, prompts, *, k: int = 64, decode_steps: int,
     for sim, importance in _measure_decoding(
             model, prompts, lengths, decode_steps=decode_steps, batch_size=batch_size,
             measure=_similarity_measure, options=(int(k),), progress=progress,
-            desc="kascade similarity"):
+            desc="kascade similarity", mesh=mesh):
         sims.append(sim.min(axis=0))
         importances.append(importance.mean(axis=0))
     sim = np.concatenate(sims).mean(axis=0).astype(np.float64)
@@ -395,6 +407,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel over this many devices (README: Several GPUs)")
     p.add_argument("--out", required=True, help="calibration JSON to write")
     p.add_argument("--plot", default=None, help="directory for the PNGs (default: none)")
     p.set_defaults(func=run)
@@ -438,7 +452,8 @@ def run(args) -> int:
     settings = {"decode_steps": args.decode_steps, "samples": int(ids.shape[0]),
                 "context": int(lengths.max()), "prompts": source, "dtype": args.dtype,
                 "model_dir": str(model_dir)}
-    measure = dict(lengths=lengths, decode_steps=args.decode_steps, batch_size=args.batch)
+    measure = dict(lengths=lengths, decode_steps=args.decode_steps, batch_size=args.batch,
+                   mesh=sharding.tensor_parallel_mesh(args.tp))
     out, plot = Path(args.out), Path(args.plot) if args.plot else None
     if plot:
         plot.mkdir(parents=True, exist_ok=True)

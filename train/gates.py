@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sparsejax import artifacts, selection
+from sparsejax import artifacts, selection, sharding
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
                               stack_layers, unembed)
@@ -246,7 +246,7 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
                 sinks: int = 128, recent: int = 256, block: int = 1, loss: str = "logits",
                 seed: int = 0, checkpoint_dir: str | Path | None = None,
                 checkpoint_every: int = 100, progress: bool = True,
-                callback: Callable[[int, dict], None] | None = None) -> GateState:
+                callback: Callable[[int, dict], None] | None = None, mesh=None) -> GateState:
     """Train HardKuma head gates of the frozen `model` so that about `target_retrieval_heads`
     KV heads of layers 1..L-1 become retrieval heads (docs/training.md).
 
@@ -261,6 +261,8 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
       resumes from the latest one there (it must hold a run of the same settings).
     callback: called after every step with (steps done, {"loss", "expected_l0", "lambda",
       "heads"}) as floats; "heads" counts gated heads with E[z] > 0.5.
+    mesh: the frozen model tensor-parallel on it (`sparsejax.shard`; the gates and batches
+      replicated); the same gates as without, up to the all-reduces' rounding.
     """
     c = model.config
     if c.num_layers < 2:
@@ -278,6 +280,8 @@ def train_gates(model: Model, data, *, target_retrieval_heads: float, steps: int
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: expected one of {LOSSES}")
     model = model.replace(params=stack_layers(model.params, c))   # the student scans layers
+    if mesh is not None:
+        model = sharding.shard(model, mesh)
     training = GateTraining(float(target_retrieval_heads), steps, float(lr), float(lambda_lr),
                             budget, int(sinks), int(recent), int(block), loss)
     teacher_fn, step_fn = _compiled(c, training)   # also validates budget/sinks/recent/block
@@ -416,6 +420,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=positive_int, default=100,
                    help="steps between checkpoints")
     p.add_argument("--seed", type=int, default=0, help="seed of the gates and the prompts")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="the model tensor parallel over this many devices (README: Several GPUs)")
     p.set_defaults(func=run)
     return p
 
@@ -445,7 +451,8 @@ def run(args) -> int:
                         lr=args.lr, lambda_lr=args.lambda_lr, budget=Ratio(args.budget_ratio),
                         sinks=args.sinks, recent=args.recent, loss=args.loss, seed=args.seed,
                         checkpoint_dir=args.checkpoint_dir,
-                        checkpoint_every=args.checkpoint_every)
+                        checkpoint_every=args.checkpoint_every,
+                        mesh=sharding.tensor_parallel_mesh(args.tp))
     path = save_gates(state, Path(args.out) / artifacts.GATES_FILE)
     heads = state.retrieval_heads()
     print(f"E[L0] = {state.expected_l0():.2f}, lambda = {float(state.lam):.4g}; "
