@@ -199,7 +199,6 @@ def part_delta(cfg, rows, skipped):
 def part_scaling(cfg, rows, skipped):
     model_name, context, batches, tps_ = cfg["scaling"]
     config = S.config(model_name)
-    base = S.random_model(model_name)
     for batch in batches:
         one = {}
         for tp in tps_:
@@ -209,7 +208,7 @@ def part_scaling(cfg, rows, skipped):
                                     if tp > jax.device_count() else "memory"))
                 continue
             mesh = mesh_of(tp)
-            model = place(base, mesh)
+            model = place(S.random_model(model_name), mesh)   # the unplaced copy is freed
             for name in METHODS:
                 prof = step_times(model, name, batch, (context,), mesh, cfg["steps"])[context]
                 ms = prof["wall_ms"]

@@ -47,6 +47,8 @@ LAYER_AXES = {
     "w_gate": (None, "mlp"), "w_up": (None, "mlp"),  # [H, I]      column-parallel
     "w_gate_up": (None, None, "mlp"),               # [H, 2, I]
     "w_down": ("mlp", None),                        # [I, H]      row-parallel
+    # fused q|k|v: kept only on a "model" axis of size 1 (see `_unfuse_qkv`)
+    "wqkv": (None, None, None), "bqkv": (None, None),
 }
 TOP_AXES = {"embed": ("vocab", None), "lm_head": (None, "vocab"), "final_norm": (None,)}
 # The cache and its per-layer method state (leaf name -> logical axes). Quest's page bounds
@@ -173,7 +175,7 @@ def shard(model: Model, mesh: Mesh) -> Model:
     mesh recorded on it, so that attention runs per device. No copy if already placed."""
     check_mesh(mesh, model.config)
     params = model.params
-    if not isinstance(params["layers"], dict):
+    if model_size(mesh) > 1 and not isinstance(params["layers"], dict):
         params = {**params, "layers": tuple(_unfuse_qkv(lp, model.config)
                                             for lp in params["layers"])}
     specs = param_specs(params, model.config, mesh)
@@ -358,8 +360,12 @@ def decode_attention(attend: Callable, mesh) -> Callable:
     head when the KV heads divide over the ranks, stay sharded (a head map that reads another
     device's set is gathered by the partitioner); with replicated KV heads the per-KV-head
     selections are all-gathered; shared selections are computed identically on every device
-    from scores reduced across devices (`HeadShards`).
+    from scores reduced across devices (`HeadShards`). On a "model" axis of size 1 there is
+    nothing to split: `attend` runs as it is (so a 1-device mesh costs what no mesh does).
     """
+    if model_size(mesh) == 1:
+        return attend
+
     def run(role, plan, config, at, sel):
         copies = at.k_pages.shape[1] // config.num_kv_heads
         heads = _Heads(config, copies)
@@ -383,8 +389,7 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         def local(q, k_pages, v_pages, table, step, retrieval, state, sel):
             hk = k_pages.shape[1]
             local_config = dataclasses.replace(config, num_heads=q.shape[1], num_kv_heads=hk)
-            # one rank holds every head: the plan as it is (DELTA keeps its fused page sums)
-            local_plan = plan if s is None or model_size(mesh) == 1 else dataclasses.replace(
+            local_plan = plan if s is None else dataclasses.replace(
                 plan, selector=dataclasses.replace(s, head_shards=HeadShards(MODEL, copies)))
             step = step._replace(retrieval=retrieval, capacity=at.step.capacity,
                                  head_map=jnp.arange(hk, dtype=jnp.int32)[None])
@@ -431,6 +436,9 @@ def prefill_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
     row (q [B, C, HQ, D]; sel and new_sel per tile and KV head [B, tiles, HK, k], or None; args
     replicated) inside `jax.shard_map` over the KV heads of "model", laid out as in
     `decode_attention`."""
+    if model_size(mesh) == 1:
+        return attend
+
     def run(q, k_pages, v_pages, sel, *args):
         heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
         to_device, from_local, sel_out = _selection_routes(heads, "kv", axis=2)
@@ -453,6 +461,9 @@ def prior_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
     """`attend(q, k_pages, v_pages, *args) -> (lse, out)` of one query per row and head (q
     [B, HQ, D], lse [B, HQ], out [B, HQ, D]; args replicated) inside `jax.shard_map` over the
     KV heads of "model" (RESA's prior over the cache)."""
+    if model_size(mesh) == 1:
+        return attend
+
     def run(q, k_pages, v_pages, *args):
         heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
         spec = _heads_spec(1)

@@ -113,7 +113,7 @@ RUNS = [
     (4, "model=4", lambda: mesh(4), ("kascade",)),
     (2, "model=8", lambda: mesh(8), ("kascade",)),
     (2, "model=2", lambda: mesh(2), ("delta",)),
-    (2, "model=1", lambda: mesh(1), ("dense",)),
+    (2, "model=1", lambda: mesh(1), ("dense", "delta")),
 ]
 PATH_MESHES = {"kv2/model=4": (2, lambda: mesh(4)), "kv4/data=2,model=2": (4, lambda: mesh(2, 2))}
 
