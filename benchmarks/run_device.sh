@@ -3,7 +3,9 @@
 #
 #   bash benchmarks/run_device.sh [STEP ...]
 #   steps: tests (kernel tests natively, --gpu; TESTS= overrides the files), topk, decode, sparse, step (decode step of
-#          the whole model), prefill (prefill attention, sparse prefill, correction), fidelity and calibration (benchmarks/fidelity.py's measurements
+#          the whole model), prefill (prefill attention, sparse prefill, correction), spec (lossless
+#          mode: acceptance and speed on the embedded model, the cost model on DS-Qwen-1.5B shapes,
+#          planned for about 4 minutes on an H200), fidelity and calibration (benchmarks/fidelity.py's measurements
 #          of the embedded model, below), all (default: tests topk decode sparse step)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
@@ -85,6 +87,7 @@ for s in "${steps[@]}"; do
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
     prefill) cmd=($PY benchmarks/bench_prefill.py) ;;
+    spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;
     *) echo "unknown step $s"; exit 2 ;;
