@@ -5,14 +5,18 @@
     python benchmarks/bench_speculative.py --smoke         # CPU: tiny shapes, logic only
 
 1. embedded: the embedded model on its four tasks at 4096 tokens (train/data.py prompts,
-   EOS-terminated answers), each drafter at a budget of 10% of the context with what ships
-   beside the model (DELTA's and Kascade's calibration, Lychee's gates), as `sparsejax eval`
-   runs them. Per drafter, γ and batch: acceptance rate, tokens/s of the whole call and of
-   the decode phase (the call minus a prefill-only call), speedup over dense `generate`, and
-   whether every token equals dense's.
-2. random: random-weight DS-R1-Distill-Qwen-1.5B shapes (bf16) at 16k tokens, where
-   acceptance means nothing: the cost model's inputs — ms of one draft step per drafter, of
-   one dense verify of γ + 1 tokens, and of one dense decode step — and what they predict.
+   EOS-terminated answers), B=16, each drafter at a budget of 10% of the context with what
+   ships beside the model (DELTA's and Kascade's calibration, Lychee's gates), as `sparsejax
+   eval` runs them. Per drafter and γ: acceptance rate, tokens/s of the whole call and of the
+   decode phase (the call minus a prefill-only call), speedup over dense `generate`, and
+   whether every token equals dense's. A batch's generate calls compile concurrently.
+2. random: random-weight DS-R1-Distill-Qwen-1.5B shapes (bf16) at 16k tokens, B = 1, 16, 64,
+   where acceptance means nothing: the cost model's inputs — ms of one draft step per
+   drafter, of one dense verify of γ + 1 tokens, and of one dense decode step — and what
+   they predict.
+
+Every cell prints a line as it finishes, and the results file is rewritten after each one
+(marked partial until the end), so a run cut off by a time limit keeps what it measured.
 
 Cost model: with per-token acceptance α, a round of γ drafts yields
 E = (1 - α^(γ+1)) / (1 - α) tokens for γ·t_draft + t_verify, so the speedup over dense
@@ -21,6 +25,8 @@ decoding is E·t_dense / (γ·t_draft + t_verify); `break_even_acceptance` is th
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import os
 import tempfile
 import time
@@ -91,58 +97,70 @@ def timed_call(run, ids, lengths, repeats: int):
     return float(np.median(samples[1:])), out
 
 
-def run_embedded(args) -> list[dict]:
-    import sparsejax
+def compile_all(model, ids, calls: dict, common: dict) -> dict:
+    """{key: `compile_generate(model, ids, **calls[key], **common)`}, compiled at once (XLA
+    compiles in C++ threads)."""
     from sparsejax.generate import compile_generate
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        futures = {key: pool.submit(compile_generate, model, ids, **kw, **common)
+                   for key, kw in calls.items()}
+        runs = {key: f.result() for key, f in futures.items()}
+    print(f"compiled {len(runs)} generate calls in {time.perf_counter() - t0:.0f} s", flush=True)
+    return runs
+
+
+def run_embedded(args, record) -> None:
+    """Each row to `record` as it is measured."""
+    import sparsejax
     from sparsejax.train import data
 
     dtype = jnp.float32 if args.dtype == "f32" else jnp.bfloat16
     model = sparsejax.from_pretrained(sparsejax.embedded_model_path(), dtype=dtype)
     context, max_new = args.context, data.MAX_ANSWER_TOKENS
     drafters = embedded_drafters(model, context)
-    rows = []
-    for batch in args.batches:
+    for batch in args.embedded_batches:
         # the four tasks in turn, so every batch mixes them
         samples = [data.make_sample(data.TASKS[i % 4], context, 0, i // 4) for i in range(batch)]
         ids, lengths = data.prompt_batch(samples)
-        kw = dict(lengths=lengths, eos_token_id=data.EOS_ID, prefill_chunk=args.prefill_chunk)
-        prefill_s, _ = timed_call(compile_generate(model, ids, max_new_tokens=1, **kw), ids,
-                                  lengths, args.repeats)
-        dense_s, dense = timed_call(compile_generate(model, ids, max_new_tokens=max_new, **kw),
-                                    ids, lengths, args.repeats)
+        gammas = args.gammas if batch == args.sweep_batch else (args.gamma,)
+        calls = {"prefill": dict(max_new_tokens=1), "dense": dict(max_new_tokens=max_new)}
+        calls.update({(name, gamma): dict(max_new_tokens=max_new, method=method,
+                                          draft_tokens=gamma)
+                      for name, method in drafters.items() for gamma in gammas})
+        runs = compile_all(model, ids, calls, dict(lengths=lengths, eos_token_id=data.EOS_ID,
+                                                   prefill_chunk=args.prefill_chunk))
+        prefill_s, _ = timed_call(runs.pop("prefill"), ids, lengths, args.repeats)
+        dense_s, dense = timed_call(runs.pop("dense"), ids, lengths, args.repeats)
         dense_tokens = np.asarray(dense.tokens)
         new = int(np.sum(np.asarray(dense.num_generated)))
         dense_decode = decode_rate(new - batch, dense_s, prefill_s)
         accuracy = float(np.mean([data.check_answer(t, s) for t, s in zip(dense_tokens, samples)]))
-        rows.append(harness.row("dense", context=context, batch=batch, ms=dense_s * 1e3,
-                                tokens_per_s=round(new / dense_s, 1),
-                                decode_tokens_per_s=_round(dense_decode),
-                                prefill_ms=round(prefill_s * 1e3, 3), accuracy=accuracy))
+        record(harness.row("dense", context=context, batch=batch, ms=dense_s * 1e3,
+                           tokens_per_s=round(new / dense_s, 1),
+                           decode_tokens_per_s=_round(dense_decode),
+                           prefill_ms=round(prefill_s * 1e3, 3), accuracy=accuracy))
         print(f"B={batch} dense: {dense_s * 1e3:.1f} ms (prefill {prefill_s * 1e3:.1f}), "
               f"decode {_round(dense_decode)} tok/s, accuracy {accuracy:.2f}", flush=True)
-        for name, method in drafters.items():
-            for gamma in (args.gammas if batch == args.sweep_batch else (args.gamma,)):
-                run = compile_generate(model, ids, max_new_tokens=max_new, method=method,
-                                       draft_tokens=gamma, **kw)
-                spec_s, out = timed_call(run, ids, lengths, args.repeats)
-                drafted, accepted = np.asarray(out.drafted), np.asarray(out.accepted)
-                identical = bool(np.array_equal(np.asarray(out.tokens), dense_tokens))
-                decode = decode_rate(new - batch, spec_s, prefill_s)
-                decode_speedup = decode / dense_decode if decode and dense_decode else None
-                rate = float(accepted.sum() / max(drafted.sum(), 1))
-                rows.append(harness.row(
-                    f"{name} γ={gamma}", context=context, batch=batch, ms=spec_s * 1e3,
-                    peer="dense generate", peer_ms=dense_s * 1e3, drafter=name, gamma=gamma,
-                    acceptance=round(rate, 4), tokens_per_s=round(new / spec_s, 1),
-                    decode_tokens_per_s=_round(decode),
-                    speedup_vs_dense=round(dense_s / spec_s, 3),
-                    decode_speedup_vs_dense=_round(decode_speedup),
-                    identical_to_dense=identical))
-                print(f"B={batch} {name} γ={gamma}: acceptance {rate:.2f}, "
-                      f"{spec_s * 1e3:.1f} ms ({dense_s / spec_s:.2f}x dense), decode phase "
-                      f"{_round(decode_speedup)}x, identical {identical}",
-                      flush=True)
-    return rows
+        for (name, gamma), run in runs.items():
+            spec_s, out = timed_call(run, ids, lengths, args.repeats)
+            drafted, accepted = np.asarray(out.drafted), np.asarray(out.accepted)
+            identical = bool(np.array_equal(np.asarray(out.tokens), dense_tokens))
+            decode = decode_rate(new - batch, spec_s, prefill_s)
+            decode_speedup = decode / dense_decode if decode and dense_decode else None
+            rate = float(accepted.sum() / max(drafted.sum(), 1))
+            record(harness.row(
+                f"{name} γ={gamma}", context=context, batch=batch, ms=spec_s * 1e3,
+                peer="dense generate", peer_ms=dense_s * 1e3, drafter=name, gamma=gamma,
+                acceptance=round(rate, 4), tokens_per_s=round(new / spec_s, 1),
+                decode_tokens_per_s=_round(decode),
+                speedup_vs_dense=round(dense_s / spec_s, 3),
+                decode_speedup_vs_dense=_round(decode_speedup),
+                identical_to_dense=identical))
+            print(f"B={batch} {name} γ={gamma}: acceptance {rate:.2f}, "
+                  f"{spec_s * 1e3:.1f} ms ({dense_s / spec_s:.2f}x dense), decode phase "
+                  f"{_round(decode_speedup)}x, identical {identical}", flush=True)
 
 
 # ---- 2. random weights: the cost model --------------------------------------------------------
@@ -167,7 +185,8 @@ def time_verify(model, cache, batch: int, gamma: int, *, calls: int, repeats: in
     return float(np.median(samples))
 
 
-def run_random(args) -> list[dict]:
+def run_random(args, record) -> None:
+    """Each row to `record` as it is measured (the dense step first: the others' peer)."""
     import sparsejax
     from sparsejax import methods as M
     from sparsejax.models import ModelConfig, init_params
@@ -177,7 +196,6 @@ def run_random(args) -> list[dict]:
     context = args.random_context
     methods = {k: v for k, v in methods_for(config).items() if k in ("dense",) + DRAFTERS}
     methods["streaming"] = M.StreamingLLM(sinks=4, window=min(1024, context // 8))
-    rows = []
     for batch in args.batches:
         steps, verify = {}, {}
         for name, method in methods.items():
@@ -187,24 +205,23 @@ def run_random(args) -> list[dict]:
             steps[name] = time_steps(model, plan, cache, jnp.zeros((batch,), jnp.int32),
                                      calls=args.calls, repeats=args.repeats)
             del cache
+            record(harness.row(f"step {name}", context=context, batch=batch, ms=steps[name],
+                               peer="dense step", peer_ms=steps["dense"]))
             print(f"B={batch} {name} step: {steps[name]:.3f} ms", flush=True)
+        dense = steps["dense"]
         for gamma in args.gammas:
             cache = random_cache(config, methods["dense"].to_plan(config, None), batch, context,
                                  gamma + 1, jax.random.key(1))
             verify[gamma] = time_verify(model, cache, batch, gamma, calls=args.calls,
                                         repeats=args.repeats)
             del cache
+            record(harness.row(f"verify γ={gamma}", context=context, batch=batch,
+                               ms=verify[gamma], peer="dense step", peer_ms=dense, gamma=gamma))
             print(f"B={batch} verify γ={gamma}: {verify[gamma]:.3f} ms", flush=True)
-        dense = steps["dense"]
-        rows += [harness.row(f"step {name}", context=context, batch=batch, ms=ms,
-                             peer="dense step", peer_ms=dense) for name, ms in steps.items()]
-        rows += [harness.row(f"verify γ={gamma}", context=context, batch=batch, ms=ms,
-                             peer="dense step", peer_ms=dense, gamma=gamma)
-                 for gamma, ms in verify.items()]
         for name in DRAFTERS:
             for gamma in args.gammas:
                 t = (gamma, steps[name], verify[gamma], dense)
-                rows.append(harness.row(
+                record(harness.row(
                     f"cost model {name} γ={gamma}", context=context, batch=batch,
                     ms=gamma * steps[name] + verify[gamma], peer="dense step", peer_ms=dense,
                     drafter=name, gamma=gamma, draft_ms=round(steps[name], 4),
@@ -212,7 +229,6 @@ def run_random(args) -> list[dict]:
                     break_even_acceptance=_round(break_even_acceptance(*t)),
                     **{f"predicted_speedup_at_{a}": round(predicted_speedup(a, *t), 3)
                        for a in (0.5, 0.7, 0.8, 0.9, 1.0)}))
-    return rows
 
 
 def _round(x, digits: int = 3):
@@ -266,7 +282,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, logic only")
     p.add_argument("--part", choices=("all", "embedded", "random"), default="all")
-    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--batches", default="1,16,64", help="the random part's")
+    p.add_argument("--embedded-batches", default="16", help="the embedded part's")
     p.add_argument("--gammas", default="2,4,8")
     p.add_argument("--gamma", type=int, default=4, help="γ at the batches outside the sweep")
     p.add_argument("--sweep-batch", type=int, default=16, help="the batch every γ runs at")
@@ -280,25 +297,35 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.embedded_batches = [int(b) for b in args.embedded_batches.split(",")]
     args.gammas = [int(g) for g in args.gammas.split(",")]
     if args.smoke:
-        args.batches, args.gammas, args.gamma, args.sweep_batch = [2], [2], 2, 2
+        args.batches, args.embedded_batches, args.gammas = [2], [2], [2]
+        args.gamma, args.sweep_batch = 2, 2
         args.context, args.random_context, args.prefill_chunk = 128, 256, 64
         args.calls, args.repeats = 1, 1
+    name = "speculative" if args.part == "all" else f"speculative_{args.part}"
+    meta = dict(embedded_model=f"retrieval-tiny, {args.dtype}, 4 tasks, greedy, budget 10%, "
+                f"prefill_chunk {args.prefill_chunk}",
+                random_model="DS-R1-Distill-Qwen-1.5B shapes, random weights, bf16",
+                repeats=args.repeats, calls=args.calls)
     rows = []
+
+    def record(part, row):
+        rows.append(dict(row, part=part))
+        if not args.smoke:      # what a cut-off run measured is kept
+            harness.write_results(name, rows, partial=True, **meta)
+
     if args.part in ("all", "embedded"):
-        rows += [dict(r, part="embedded") for r in run_embedded(args)]
+        run_embedded(args, functools.partial(record, "embedded"))
     if args.part in ("all", "random"):
-        rows += [dict(r, part="random") for r in run_random(args)]
+        run_random(args, functools.partial(record, "random"))
     harness.print_table(rows, cols=("part", "case", "batch", "ms", "peer_ms", "ratio_to_peer",
                                     "acceptance", "identical_to_dense"))
     if args.smoke:      # the plot too, away from the results
         plot(rows, Path(tempfile.mkdtemp()) / "speculative.png")
         return
-    name = "speculative" if args.part == "all" else f"speculative_{args.part}"
-    harness.write_results(name, rows, embedded_model=f"retrieval-tiny, {args.dtype}, 4 tasks, "
-                          f"greedy, budget 10%, prefill_chunk {args.prefill_chunk}",
-                          random_model="DS-R1-Distill-Qwen-1.5B shapes, random weights, bf16")
+    harness.write_results(name, rows, **meta)
     plot(rows, harness.RESULTS / f"{name}.png")
 
 

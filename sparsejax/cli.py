@@ -156,7 +156,8 @@ def cmd_generate(args) -> int:
     ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
     method = method_from_args(args, model, ids.shape[1], model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed))
+              top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed),
+              draft_tokens=args.draft_tokens)
     jax.block_until_ready(sparsejax.generate(model, ids, **kw).tokens)     # compile, warm up
     t0 = time.perf_counter()
     out = sparsejax.generate(model, ids, **kw)
@@ -164,8 +165,10 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - t0
     n = int(out.num_generated[0])
     print(tok.decode(np.asarray(out.tokens[0, :n]), skip_special_tokens=True))
-    print(f"[{n} tokens in {seconds:.3f} s: {n / seconds:.1f} tokens/s; method {method!r}; "
-          f"prompt {ids.shape[1]} tokens; {jax.default_backend()}]", file=sys.stderr)
+    lossless = ("" if args.draft_tokens is None else f"; lossless, {int(out.accepted[0])} of "
+                f"{int(out.drafted[0])} drafted tokens accepted")
+    print(f"[{n} tokens in {seconds:.3f} s: {n / seconds:.1f} tokens/s; method {method!r}"
+          f"{lossless}; prompt {ids.shape[1]} tokens; {jax.default_backend()}]", file=sys.stderr)
     if speed_note():
         print(speed_note(), file=sys.stderr)
     return 0
@@ -185,6 +188,9 @@ def add_generate_parser(sub) -> None:
                    help="sample from the nucleus of this mass (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["bf16", "f32"], default="f32", help="compute dtype")
+    p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
+                   help="lossless mode: the method drafts N tokens per round and dense "
+                   "attention verifies them, so the output is dense's (default: off)")
     add_method_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -1,10 +1,10 @@
 """`sparsejax demo` (behind `make demo`): every method on the embedded default model.
 
 Loads the small retrieval model shipped with the package (`sparsejax.embedded_model_path()`,
-trained by `sparsejax pretrain`), runs a small eval of every registered method and RESA on
-DELTA at one budget on the synthetic retrieval tasks it was trained on, prints a table (method,
-budget, accuracy, recall, attention error, tokens/s) and writes a plot. `sparsejax eval` is the
-full harness.
+trained by `sparsejax pretrain`), runs a small eval of every registered method, RESA on DELTA
+and lossless mode drafted by DELTA at one budget on the synthetic retrieval tasks it was
+trained on, prints a table (method, budget, accuracy, recall, attention error, acceptance,
+tokens/s) and writes a plot. `sparsejax eval` is the full harness.
 """
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import jax.numpy as jnp
 
 from sparsejax import methods as M
 
-# every method once, and RESA on DELTA, the README's example (at 4096 tokens RESA cuts DELTA's
-# attention error the most of the four papers' methods): 8 prompts of 768 tokens, about
-# 3 minutes on two CPU cores
-DEMO_METHODS = ",".join([*M.REGISTRY, "delta+resa"])
+# every method once, RESA on DELTA, the README's example (at 4096 tokens RESA cuts DELTA's
+# attention error the most of the four papers' methods), and DELTA drafting for dense
+# attention (lossless: dense's accuracy): 8 prompts of 768 tokens, about 3 minutes on two
+# CPU cores
+DEMO_METHODS = ",".join([*M.REGISTRY, "delta+resa", "delta+spec"])
 
 
 def run(args) -> int:
@@ -29,6 +30,7 @@ def run(args) -> int:
 
     plot = check_writable(args.plot, "--plot")
     names = evaluation.parse_methods(args.methods)
+    gamma = evaluation.draft_tokens(args, names)
     ratios = evaluation.budget_ratios(args, args.context)
     path = sparsejax.embedded_model_path()
     if not (path / "config.json").exists():
@@ -45,13 +47,16 @@ def run(args) -> int:
     doc = evaluation.evaluate(
         model, tasks=data.TASKS, context=args.context, samples=args.samples,
         method_names=names, ratios=ratios, batch=args.samples * len(data.TASKS),
-        model_dir=path, vocab=vocab, repeats=args.repeats)
+        model_dir=path, vocab=vocab, repeats=args.repeats, draft_tokens=gamma)
     overall = [r for r in doc["results"] if r["task"] == "all"]
     print(f"\n{'method':<14} {'budget':>6} {'accuracy':>8} {'recall':>7} {'attn err':>8} "
-          f"{'tokens/s':>9}  layers (D dense, S select, R reuse, H hybrid, F self-select)")
+          f"{'accepted':>8} {'tokens/s':>9}  layers (D dense, S select, R reuse, H hybrid, "
+          "F self-select)")
     for r in overall:
         print(f"{r['method']:<14} {r['budget_ratio']:>6.2f} {r['accuracy']:>8.3f} "
-              f"{r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} {r['tokens_per_s']:>9.1f}  "
+              f"{evaluation.fmt(r['mean_recall'], width=7)} "
+              f"{evaluation.fmt(r['mean_attn_error'], width=8)} "
+              f"{evaluation.fmt(r['acceptance_rate'], width=8)} {r['tokens_per_s']:>9.1f}  "
               f"{r['config']['roles']}")
     dense = {r["task"]: r["accuracy"] for r in doc["results"] if r["method"] == "dense"}
     if dense:
@@ -63,6 +68,10 @@ def run(args) -> int:
           f"{doc['lychee_retrieval_heads']}; layer choices from the calibration shipped with "
           f"the model: {', '.join(doc['calibrated']) or 'none'}. tokens/s: median of "
           f"{args.repeats} runs after a warm-up, compile excluded.")
+    if any(r["draft_tokens"] for r in overall):
+        print(f"+spec: lossless mode, the method drafts {gamma} tokens per round and dense "
+              "attention verifies them, so the tokens (and the accuracy) are dense's; accepted: "
+              "the share of drafts the dense model kept.")
     if evaluation.speed_note():
         print(evaluation.speed_note())
     evaluation.plot(doc, plot)
@@ -71,6 +80,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from sparsejax import eval as evaluation
     from sparsejax.cli import positive_int, ratio_list, token_list
 
     p = sub.add_parser("demo", help="every method on the embedded default model (make demo)")
@@ -82,7 +92,8 @@ def add_parser(sub) -> None:
     budget.add_argument("--budget-tokens", type=token_list, default=None,
                         help="comma-separated budgets in tokens (default: --budget-ratio)")
     p.add_argument("--methods", default=DEMO_METHODS,
-                   help="comma-separated method names, each optionally with +resa")
+                   help="comma-separated method names, each optionally with +resa, then +spec")
+    evaluation.add_draft_tokens_arg(p)
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per method after a warm-up (the median is reported)")
     p.add_argument("--plot", default="sparsejax-demo.png", help="the plot (PNG) to write")

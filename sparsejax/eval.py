@@ -13,6 +13,9 @@ compiled ahead of time, one warm-up run, the median of `repeats` timed runs. Met
 registry's (`methods.REGISTRY`) at each budget, layer choices scaled to the model's depth; what
 was fitted to the model and ships beside it is used (`methods.fitted_beside`: Lychee's gates,
 DELTA's and Kascade's calibration; `--no-calibration` keeps the scaled defaults).
+A name with '+spec' (`delta+spec`) runs lossless mode: the method drafts `--draft-tokens`
+tokens per round and dense attention verifies them (`generate(draft_tokens=...)`), so its
+accuracy is dense's; it reports the share of drafts accepted instead of recall and error.
 """
 from __future__ import annotations
 
@@ -30,11 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import methods as M
-from sparsejax.generate import compile_generate, generate
+from sparsejax.generate import GenerateOutput, compile_generate, generate
 from sparsejax.plan import Role
 
 log = logging.getLogger("sparsejax")
 RESA = "+resa"
+SPEC = "+spec"
+DRAFT_TOKENS = 4    # γ of the '+spec' methods unless --draft-tokens says otherwise
 
 CPU_NOTE = ("on CPU the kernels run as their jnp references: tokens/s here compares no kernel "
             "and sparse methods are slower than dense; speed is only meaningful on a GPU")
@@ -46,13 +51,14 @@ def speed_note() -> str:
 
 
 def parse_methods(spec: str) -> list[str]:
-    """'dense,delta+resa,...' -> names; each a `methods.REGISTRY` name with an optional '+resa'."""
+    """'dense,delta+resa,kascade+spec,...' -> names; each a `methods.REGISTRY` name, optionally
+    with '+resa' and then '+spec' (lossless mode)."""
     names = [m.strip() for m in spec.split(",") if m.strip()]
     for name in names:
-        base = name.removesuffix(RESA)
-        if base not in M.REGISTRY or (name.endswith(RESA) and base == "dense"):
+        base = name.removesuffix(SPEC).removesuffix(RESA)
+        if base not in M.REGISTRY or (base == "dense" and name != base):
             raise ValueError(f"--methods entry {name!r}: expected one of {tuple(M.REGISTRY)}, "
-                             "optionally with '+resa' (not for dense)")
+                             "optionally with '+resa' and then '+spec' (neither for dense)")
     return names
 
 
@@ -61,8 +67,9 @@ def build_methods(config, names, ratio: float, context: int, fitted=M.Fitted()) 
     tokens = max(1, math.ceil(ratio * context))
     out = {}
     for name in names:
-        method = M.REGISTRY[name.removesuffix(RESA)].at_budget(config, tokens, ratio, fitted)
-        out[name] = M.RESA(method) if name.endswith(RESA) else method
+        drafter = name.removesuffix(SPEC)
+        method = M.REGISTRY[drafter.removesuffix(RESA)].at_budget(config, tokens, ratio, fitted)
+        out[name] = M.RESA(method) if drafter.endswith(RESA) else method
     return out
 
 
@@ -89,11 +96,12 @@ def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
 
 
 def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
-               timing: bool = True, repeats: int = 3,
-               correct_every: int | None = None) -> list[dict]:
+               timing: bool = True, repeats: int = 3, correct_every: int | None = None,
+               draft_tokens: int | None = None) -> list[dict]:
     """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
-    over the decode steps it ran; plus, when `timing`, the batch's tokens/s: the median of
-    `repeats` runs after a warm-up (compile excluded)."""
+    over the decode steps it ran, or with `draft_tokens` (lossless mode, which has no
+    diagnostics) the tokens it drafted and the dense verify accepted; plus, when `timing`, the
+    batch's tokens/s: the median of `repeats` runs after a warm-up (compile excluded)."""
     from sparsejax.train import data
 
     rows, run = [], None
@@ -103,19 +111,22 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
         # the last batch is padded with repeats of its first prompt: one shape, one compile
         ids, lengths = data.prompt_batch(chunk + chunk[:1] * (batch - len(chunk)))
         kw = dict(lengths=lengths, max_new_tokens=max_new_tokens, method=method,
-                  eos_token_id=data.EOS_ID, correct_every=correct_every)
-        out = generate(model, ids, return_diagnostics=True, **kw)
-        toks, num = np.asarray(out.tokens), np.asarray(out.num_generated)
-        diag = {k: np.asarray(out.diagnostics[k], np.float64)
-                for k in ("recall", "oracle_recall", "attn_error")}        # [steps, L, B]
-        mask = _valid_steps(num, diag["recall"].shape[0])[:, None, :]
-        steps = np.maximum(mask.sum(0), 1)                                   # [1, B]
-        per_row = {k: np.sum(np.where(mask, v, 0.0), axis=0) / steps for k, v in diag.items()}
+                  eos_token_id=data.EOS_ID, correct_every=correct_every,
+                  draft_tokens=draft_tokens)
+        compiled_now = timing and run is None
+        if compiled_now:        # every batch has one shape: one compile per method
+            run = compile_generate(model, ids, **kw)
+        if draft_tokens is None:
+            out = generate(model, ids, return_diagnostics=True, **kw)
+            per_row = _diagnostics_per_row(out)
+            if compiled_now:
+                jax.block_until_ready(run(ids, lengths).tokens)             # warm-up
+        else:                   # the timed executable's first run is also the warm-up
+            out = run(ids, lengths) if timing else generate(model, ids, **kw)
+            per_row = {"drafted": np.asarray(out.drafted), "accepted": np.asarray(out.accepted)}
+        toks = np.asarray(out.tokens)
         tokens_per_s = None
         if timing:
-            if run is None:     # every batch has one shape: one compile per method
-                run = compile_generate(model, ids, **kw)
-                jax.block_until_ready(run(ids, lengths).tokens)             # warm-up
             seconds = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -127,43 +138,70 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
         for i, sample in enumerate(chunk):
             rows.append({"task": sample.task, "correct": data.check_answer(toks[i], sample),
                          "tokens_per_s": tokens_per_s,
-                         **{k: v[:, i] for k, v in per_row.items()}})
+                         **{k: v[..., i] for k, v in per_row.items()}})
     return rows
 
 
-def summarize(rows: list[dict], method, config, task: str) -> dict:
-    """Accuracy, per-layer means, and the mean recall / error over layers that attend sparsely."""
+def _diagnostics_per_row(out: GenerateOutput) -> dict:
+    """{recall, oracle_recall, attn_error: [L, B]}, each row's mean over its decode steps."""
+    diag = {k: np.asarray(out.diagnostics[k], np.float64)
+            for k in ("recall", "oracle_recall", "attn_error")}        # [steps, L, B]
+    mask = _valid_steps(np.asarray(out.num_generated), diag["recall"].shape[0])[:, None, :]
+    steps = np.maximum(mask.sum(0), 1)                                   # [1, B]
+    return {k: np.sum(np.where(mask, v, 0.0), axis=0) / steps for k, v in diag.items()}
+
+
+def summarize(rows: list[dict], method, config, task: str,
+              draft_tokens: int | None = None) -> dict:
+    """Accuracy, per-layer means, and the mean recall / error over layers that attend sparsely;
+    in lossless mode (`draft_tokens`), which has no diagnostics, instead the share of drafts
+    the dense verify accepted and the drafts accepted per round (of γ). What a row does not
+    measure is None."""
     rows = [r for r in rows if task == "all" or r["task"] == task]
     plan = method.to_plan(config, None)
     sparse = [i for i, role in enumerate(plan.roles) if role not in (Role.DENSE, Role.SELECT)]
-    layer = {k: np.mean([r[k] for r in rows], axis=0)
-             for k in ("recall", "oracle_recall", "attn_error")}
-    return {
+    res = {
         "task": task, "accuracy": float(np.mean([r["correct"] for r in rows])),
         "correct": int(sum(r["correct"] for r in rows)), "samples": len(rows),
-        "recall_per_layer": layer["recall"].round(5).tolist(),
-        "oracle_recall_per_layer": layer["oracle_recall"].round(5).tolist(),
-        "attn_error_per_layer": layer["attn_error"].round(5).tolist(),
-        "sparse_layers": sparse,
-        "mean_recall": round(float(np.mean(layer["recall"][sparse])), 5) if sparse else 1.0,
-        "mean_attn_error": round(float(np.mean(layer["attn_error"][sparse])), 5) if sparse else 0.0,
+        "recall_per_layer": None, "oracle_recall_per_layer": None, "attn_error_per_layer": None,
+        "sparse_layers": sparse, "mean_recall": None, "mean_attn_error": None,
         "tokens_per_s": (None if rows[0]["tokens_per_s"] is None else
                          round(float(np.mean([r["tokens_per_s"] for r in rows])), 2)),
+        "draft_tokens": draft_tokens, "acceptance_rate": None, "accepted_per_round": None,
     }
+    if draft_tokens is not None:
+        drafted = sum(int(r["drafted"]) for r in rows)
+        rate = sum(int(r["accepted"]) for r in rows) / drafted if drafted else None
+        if rate is not None:
+            res.update(acceptance_rate=round(rate, 5),
+                       accepted_per_round=round(rate * draft_tokens, 4))
+        return res
+    layer = {k: np.mean([r[k] for r in rows], axis=0)
+             for k in ("recall", "oracle_recall", "attn_error")}
+    res.update({f"{k}_per_layer": v.round(5).tolist() for k, v in layer.items()})
+    res["mean_recall"] = round(float(np.mean(layer["recall"][sparse])), 5) if sparse else 1.0
+    res["mean_attn_error"] = (round(float(np.mean(layer["attn_error"][sparse])), 5) if sparse
+                              else 0.0)
+    return res
 
 
 def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(),
              methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
              timing: bool = True, repeats: int = 3, calibrated: bool = True,
              progress=log.info, correct_every: int | None = None,
-             sparse_prefill: bool = False) -> dict:
+             sparse_prefill: bool = False, draft_tokens: int = DRAFT_TOKENS) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
     model, with what ships beside it (`methods.fitted_beside`; the calibration unless
-    `calibrated` is False), or `methods(ratio) -> {name: method}` for any others.
-    `correct_every` and `sparse_prefill` (Kascade's) apply to every method they concern."""
+    `calibrated` is False), or `methods(ratio) -> {name: method}` for any others; a name
+    ending in '+spec' runs lossless mode, its method drafting `draft_tokens` per round.
+    `correct_every` and `sparse_prefill` (Kascade's) apply to every method they concern:
+    none in lossless mode, whose output is dense decoding's."""
     from sparsejax.train import data
+
+    if not (isinstance(draft_tokens, int) and draft_tokens >= 1):
+        raise ValueError(f"draft_tokens={draft_tokens!r}: expected an int >= 1")
 
     fitted = M.fitted_beside(model_dir, model, calibrated=calibrated and methods is None)
     doc = {"model": str(model_dir) if model_dir else None, "tasks": list(tasks),
@@ -181,54 +219,66 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
         chosen = (methods(ratio) if methods is not None else
                   build_methods(model.config, method_names, ratio, context, fitted))
         for name, method in chosen.items():
-            if sparse_prefill and isinstance(method, M.Kascade):
+            lossless = name.endswith(SPEC)
+            if sparse_prefill and isinstance(method, M.Kascade) and not lossless:
                 method = dataclasses.replace(method, sparse_prefill=True)
             t0 = time.perf_counter()
+            gamma = draft_tokens if lossless else None
             rows = run_method(model, prompts, method, batch=batch,
                               max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing,
-                              repeats=repeats, correct_every=correct_every)
+                              repeats=repeats, correct_every=None if lossless else correct_every,
+                              draft_tokens=gamma)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
-                res = summarize(rows, method, model.config, task)
+                res = summarize(rows, method, model.config, task, gamma)
                 res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
                 doc["results"].append(res)
             overall = doc["results"][-1]
             progress(f"{name:<16} ratio {ratio:<5} acc {overall['accuracy']:.3f} "
-                     f"recall {overall['mean_recall']:.3f} err {overall['mean_attn_error']:.3f} "
-                     f"{_speed(overall['tokens_per_s'])} tok/s ({time.perf_counter() - t0:.0f}s)")
+                     f"recall {fmt(overall['mean_recall'])} err {fmt(overall['mean_attn_error'])} "
+                     f"accepted {fmt(overall['acceptance_rate'], '.2f')} "
+                     f"{fmt(overall['tokens_per_s'], '.1f')} tok/s "
+                     f"({time.perf_counter() - t0:.0f}s)")
     return doc
 
 
-def _speed(tokens_per_s) -> str:
-    return "-" if tokens_per_s is None else f"{tokens_per_s:.1f}"
+def fmt(value, spec: str = ".3f", width: int = 0) -> str:
+    """`value` formatted, or '-' where it was not measured (None)."""
+    return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
 def table(doc: dict) -> str:
+    """One line per result; 'accepted' is lossless mode's share of accepted drafts, and
+    recall / attn err are not measured there ('-')."""
     rows = [f"{'method':<16} {'budget':>6} {'task':<10} {'accuracy':>8} {'recall':>7} "
-            f"{'attn err':>8} {'tokens/s':>9}"]
+            f"{'attn err':>8} {'accepted':>8} {'tokens/s':>9}"]
     for r in doc["results"]:
         rows.append(f"{r['method']:<16} {r['budget_ratio']:>6} {r['task']:<10} "
-                    f"{r['accuracy']:>8.3f} {r['mean_recall']:>7.3f} {r['mean_attn_error']:>8.3f} "
-                    f"{_speed(r['tokens_per_s']):>9}")
+                    f"{r['accuracy']:>8.3f} {fmt(r['mean_recall'], width=7)} "
+                    f"{fmt(r['mean_attn_error'], width=8)} "
+                    f"{fmt(r.get('acceptance_rate'), width=8)} "
+                    f"{fmt(r['tokens_per_s'], '.1f', 9)}")
     return "\n".join(rows)
 
 
 METRICS = {"accuracy": "task accuracy (exact match)",
            "mean_recall": "attention recall, sparse layers",
            "mean_attn_error": "attention-output error, sparse layers",
+           "acceptance_rate": "drafts accepted (+spec)",
            "tokens_per_s": "tokens/s"}
 
 
 def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
-    """One panel per metric (default: those measured) over the methods, mean over the tasks:
-    bars, one per budget (lighter for smaller ones), up to three budgets; lines against the
-    budget ratio beyond. A colour per base method; its RESA variant hatched (dashed) in it."""
+    """One panel per metric (default: those measured for some method) over the methods, mean
+    over the tasks: bars, one per budget (lighter for smaller ones), up to three budgets; lines
+    against the budget ratio beyond; none where a method does not measure the metric. A colour
+    per base method; its RESA variant hatched (dashed) in it."""
     from matplotlib.patches import Patch
 
     from sparsejax.plotting import figure, method_style, save
 
     overall = "all" if len(doc["tasks"]) > 1 else doc["tasks"][0]
     results = [r for r in doc["results"] if r["task"] == overall]
-    metrics = metrics or [m for m in METRICS if all(r[m] is not None for r in results)]
+    metrics = metrics or [m for m in METRICS if any(r.get(m) is not None for r in results)]
     names = list(dict.fromkeys(r["method"] for r in results))
     bases = list(dict.fromkeys(m.removesuffix(RESA) for m in names))
     ratios = sorted({r["budget_ratio"] for r in results})
@@ -239,7 +289,8 @@ def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
     for ax, key in zip(axes[0], metrics):
         for i, name in enumerate(names):
             style = method_style(name, bases)
-            ys = [value[name, x][key] if (name, x) in value else np.nan for x in ratios]
+            ys = [np.nan if value.get((name, x), {}).get(key) is None else value[name, x][key]
+                  for x in ratios]
             if bars:
                 for j, y in enumerate(ys):
                     offset = (j - (len(ratios) - 1) / 2) * 0.8 / len(ratios)
@@ -286,7 +337,9 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=positive_int, default=1024, help="prompt tokens")
     p.add_argument("--samples", type=positive_int, default=8, help="prompts per task")
     p.add_argument("--methods", default=",".join(M.REGISTRY),
-                   help="comma-separated method names, each optionally with +resa")
+                   help="comma-separated method names, each optionally with +resa, then +spec "
+                   "(lossless mode: the method drafts, dense attention verifies)")
+    add_draft_tokens_arg(p)
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-ratio", type=ratio_list, default=[0.1],
                         help="comma-separated budgets as shares of the context")
@@ -313,6 +366,25 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def add_draft_tokens_arg(p) -> None:
+    from sparsejax.cli import positive_int
+
+    p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
+                   help="tokens the +spec methods draft per round before the dense verify "
+                   f"(default: {DRAFT_TOKENS})")
+
+
+def draft_tokens(args, names: list[str]) -> int:
+    """--draft-tokens (or the default); an error when no '+spec' method would draft."""
+    if args.draft_tokens is None:
+        return DRAFT_TOKENS
+    if not any(name.endswith(SPEC) for name in names):
+        raise ValueError(f"--draft-tokens {args.draft_tokens}: sets how many tokens the '+spec' "
+                         "methods draft (lossless mode), and --methods names none: add one, "
+                         "e.g. delta+spec")
+    return args.draft_tokens
+
+
 def budget_ratios(args, context: int) -> list[float]:
     """--budget-tokens as shares of `context`, or --budget-ratio (each checked in (0, 1])."""
     if args.budget_tokens is None:
@@ -336,6 +408,7 @@ def run(args) -> int:
             raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")
     ratios = budget_ratios(args, args.context)
     names = parse_methods(args.methods)
+    gamma = draft_tokens(args, names)
     model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
@@ -345,7 +418,7 @@ def run(args) -> int:
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
                    timing=not args.no_timing, repeats=args.repeats,
                    calibrated=not args.no_calibration, correct_every=args.correct_every,
-                   sparse_prefill=args.sparse_prefill)
+                   sparse_prefill=args.sparse_prefill, draft_tokens=gamma)
     print(table(doc))
     if not args.no_timing and speed_note():
         print(speed_note())

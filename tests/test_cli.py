@@ -80,6 +80,11 @@ def test_every_registry_method_is_accepted_by_the_cli_eval_and_demo(monkeypatch)
     (["generate", "--prompt", "x", "--method", "quest", "--budget-tokens", "0"], "--budget-tokens"),
     (["generate", "--prompt", "x", "--resa", "nan"], "--resa"),
     (["generate", "--prompt", "x", "--method", "delta", "--sinks", "4"], "--sinks"),
+    (["generate", "--prompt", "x", "--method", "delta", "--draft-tokens", "0"], "--draft-tokens"),
+    (["eval", "--draft-tokens", "1.5"], "--draft-tokens"),
+    (["eval", "--methods", "dense,delta", "--draft-tokens", "4"], "--draft-tokens"),
+    (["eval", "--methods", "dense+spec"], "--methods"),
+    (["demo", "--methods", "dense", "--draft-tokens", "2"], "--draft-tokens"),
     (["calibrate", "--method", "delta", "--out", "x.json", "--samples", "0"], "--samples"),
     (["train-gates", "--model", "x", "--target-heads", "2", "--out", "o", "--steps", "0"],
      "--steps"),
@@ -187,6 +192,22 @@ def test_readme_commands_run_as_written(capsys, tmp_path):
     assert rc == 0 and json.loads((tmp_path / "calib.json").read_text())["method"] == "kascade"
     assert (tmp_path / "plots" / "kascade_layer_similarity.png").stat().st_size > 0
     # train-gates and pretrain run through their CLIs in test_gates.py and test_pretrain.py
+
+
+def test_generate_with_draft_tokens_prints_dense_text(capsys):
+    """StreamingLLM with a 4-token window loses the number; drafting for dense attention it
+    prints dense's text, with the drafts the dense verify accepted."""
+    readme = next(argv for argv in readme_commands() if argv[0] == "generate")
+    argv = ["generate", "--prompt", readme[readme.index("--prompt") + 1], "--max-new-tokens", 8]
+    streaming = ["--method", "streaming", "--budget-tokens", 8]
+    dense = run(capsys, *argv)
+    sparse = run(capsys, *argv, *streaming)
+    lossless = run(capsys, *argv, *streaming, "--draft-tokens", 3)
+    assert dense[0] == sparse[0] == lossless[0] == 0, lossless[2]
+    assert lossless[1] == dense[1] != sparse[1], (dense[1], sparse[1])
+    accepted, drafted = map(int, re.search(r"lossless, (\d+) of (\d+) drafted tokens accepted",
+                                           lossless[2]).groups())
+    assert 0 <= accepted < drafted and drafted % 3 == 0, lossless[2]
 
 
 def test_importing_and_plotting_leave_global_state_alone(tmp_path):

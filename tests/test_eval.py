@@ -1,7 +1,9 @@
 """The eval harness on a small random Llama over the project's vocabulary: dense is its own
 reference (recall 1, error 0), accuracy agrees with a direct greedy generate, a ragged last
-batch is scored on its own rows."""
+batch is scored on its own rows; lossless mode ('+spec') on the embedded model scores dense's
+accuracy with the acceptance a direct generate reports."""
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,11 @@ def test_parse_methods():
         evaluation.parse_methods("dense+resa")
     with pytest.raises(ValueError, match="'h2o'"):
         evaluation.parse_methods("dense,h2o")
+    assert evaluation.parse_methods("delta+spec,quest+resa+spec") == ["delta+spec",
+                                                                     "quest+resa+spec"]
+    for bad in ("dense+spec", "delta+spec+resa", "delta+spec+spec"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):
+            evaluation.parse_methods(bad)
 
 
 def test_compile_generate_equals_generate(model):
@@ -77,6 +84,43 @@ def test_evaluate(model, tmp_path):
     assert "delta+resa" in evaluation.table(doc)
 
 
+def test_lossless_rows_score_dense_accuracy_and_the_acceptance_of_generate():
+    """StreamingLLM at a tenth of a 192-token prompt loses the needle; drafting for dense
+    attention it keeps dense's accuracy, and its acceptance is what generate counts."""
+    path = sparsejax.embedded_model_path()
+    model = sparsejax.from_pretrained(path, dtype=jnp.float32)
+    tasks, gamma = ("niah", "vt"), 3
+    doc = evaluation.evaluate(model, tasks=tasks, context=CONTEXT, samples=2,
+                              method_names=["dense", "streaming", "streaming+spec"],
+                              ratios=[0.1], batch=4, repeats=1, draft_tokens=gamma,
+                              model_dir=path, progress=lambda s: None)
+    results = {(r["method"], r["task"]): r for r in doc["results"]}
+    for task in (*tasks, "all"):
+        dense, sparse, spec = (results[m, task] for m in ("dense", "streaming", "streaming+spec"))
+        assert spec["correct"] == dense["correct"] and spec["samples"] == dense["samples"]
+        assert spec["mean_recall"] is None and spec["recall_per_layer"] is None
+        assert spec["draft_tokens"] == gamma and dense["acceptance_rate"] is None
+    all_ = {m: results[m, "all"] for m in ("dense", "streaming", "streaming+spec")}
+    assert all_["dense"]["correct"] == 4 > all_["streaming"]["correct"]     # negative control
+    assert all_["streaming+spec"]["tokens_per_s"] > 0
+    # the acceptance a direct lossless generate reports on the same prompts
+    prompts = [data.make_sample(t, CONTEXT, 0, i) for i in range(2) for t in tasks]
+    ids, lengths = data.prompt_batch(prompts)
+    drafter = evaluation.build_methods(model.config, ["streaming+spec"], 0.1, CONTEXT)
+    out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=data.MAX_ANSWER_TOKENS,
+                             eos_token_id=data.EOS_ID, method=drafter["streaming+spec"],
+                             draft_tokens=gamma)
+    rate = float(np.sum(np.asarray(out.accepted)) / np.sum(np.asarray(out.drafted)))
+    assert 0 < rate < 1
+    assert all_["streaming+spec"]["acceptance_rate"] == pytest.approx(rate, abs=1e-5)
+    assert all_["streaming+spec"]["accepted_per_round"] == pytest.approx(rate * gamma, abs=1e-4)
+    text = evaluation.table(doc)
+    assert re.search(r"streaming\+spec .* all +1\.000 +- +- +0\.\d{3} ", text), text
+    with pytest.raises(ValueError, match="draft_tokens=0"):
+        evaluation.evaluate(model, tasks=tasks, context=CONTEXT, samples=1, ratios=[0.1],
+                            method_names=["delta+spec"], draft_tokens=0)
+
+
 def test_evaluate_uses_the_calibration_shipped_beside_the_model(model, tmp_path):
     from sparsejax import artifacts as A
 
@@ -118,3 +162,20 @@ def test_eval_cli_writes_json(tmp_path):
         for t in ("niah", "vt", "all")}
     assert all(r["tokens_per_s"] > 0 for r in doc["results"])
     assert cli.main(["eval", "--budget-ratio", "0", "--samples", "1"]) == 2     # clear error
+
+
+def test_eval_cli_passes_draft_tokens_to_the_lossless_methods(monkeypatch, capsys):
+    from sparsejax import cli
+
+    seen = {}
+
+    def record(model, **kw):
+        seen.update(kw)
+        return {"results": []}
+
+    monkeypatch.setattr(evaluation, "evaluate", record)
+    assert cli.main(["eval", "--methods", "dense,delta+spec", "--draft-tokens", "2",
+                     "--no-timing"]) == 0
+    assert seen["method_names"] == ["dense", "delta+spec"] and seen["draft_tokens"] == 2
+    assert cli.main(["eval", "--methods", "delta+spec", "--no-timing"]) == 0
+    assert seen["draft_tokens"] == evaluation.DRAFT_TOKENS
