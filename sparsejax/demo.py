@@ -30,7 +30,7 @@ def run(args) -> int:
 
     plot = check_writable(args.plot, "--plot")
     names = evaluation.parse_methods(args.methods)
-    gamma = evaluation.draft_tokens(args, names)
+    gamma = evaluation.lossless_draft_tokens(args, names)
     ratios = evaluation.budget_ratios(args, args.context)
     path = sparsejax.embedded_model_path()
     if not (path / "config.json").exists():

@@ -374,7 +374,7 @@ def add_draft_tokens_arg(p) -> None:
                    f"(default: {DRAFT_TOKENS})")
 
 
-def draft_tokens(args, names: list[str]) -> int:
+def lossless_draft_tokens(args, names: list[str]) -> int:
     """--draft-tokens (or the default); an error when no '+spec' method would draft."""
     if args.draft_tokens is None:
         return DRAFT_TOKENS
@@ -408,7 +408,7 @@ def run(args) -> int:
             raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")
     ratios = budget_ratios(args, args.context)
     names = parse_methods(args.methods)
-    gamma = draft_tokens(args, names)
+    gamma = lossless_draft_tokens(args, names)
     model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
