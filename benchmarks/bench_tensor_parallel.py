@@ -26,6 +26,7 @@ if SMOKE:   # host devices must be set before JAX starts
                                + " --xla_force_host_platform_device_count=8").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")   # fits() reads the limit
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
