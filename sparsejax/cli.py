@@ -146,12 +146,16 @@ def cmd_generate(args) -> int:
     import numpy as np
 
     import sparsejax
+    from sparsejax import sharding
     from sparsejax.eval import speed_note
 
     method_options(args)                      # before loading anything
+    mesh = sharding.tensor_parallel_mesh(args.tp)
     model_dir = args.model or sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype={"bf16": jnp.bfloat16,
                                                         "f32": jnp.float32}[args.dtype])
+    if mesh is not None:
+        model = sparsejax.shard(model, mesh)
     tok = sparsejax.load_tokenizer(model_dir)
     ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
     method = method_from_args(args, model, ids.shape[1], model_dir)
@@ -188,6 +192,8 @@ def add_generate_parser(sub) -> None:
                    help="sample from the nucleus of this mass (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["bf16", "f32"], default="f32", help="compute dtype")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel over this many devices (README: Several GPUs)")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                    help="lossless mode: the method drafts N tokens per round and dense "
                    "attention verifies them, so the output is dense's (default: off)")

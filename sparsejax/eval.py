@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsejax import methods as M
+from sparsejax import methods as M, sharding
 from sparsejax.generate import GenerateOutput, compile_generate, generate
 from sparsejax.plan import Role
 
@@ -372,6 +372,8 @@ def add_draft_tokens_arg(p) -> None:
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens the +spec methods draft per round before the dense verify "
                    f"(default: {DRAFT_TOKENS})")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor parallel over this many devices (README: Several GPUs)")
 
 
 def lossless_draft_tokens(args, names: list[str]) -> int:
@@ -409,9 +411,12 @@ def run(args) -> int:
     ratios = budget_ratios(args, args.context)
     names = parse_methods(args.methods)
     gamma = lossless_draft_tokens(args, names)
+    mesh = sharding.tensor_parallel_mesh(args.tp)
     model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
+    if mesh is not None:
+        model = sparsejax.shard(model, mesh)
     vocab = sparsejax.load_tokenizer(model_dir).get_vocab()
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
                    method_names=names, ratios=ratios, seed=args.seed,

@@ -85,6 +85,9 @@ def test_every_registry_method_is_accepted_by_the_cli_eval_and_demo(monkeypatch)
     (["eval", "--methods", "dense,delta", "--draft-tokens", "4"], "--draft-tokens"),
     (["eval", "--methods", "dense+spec"], "--methods"),
     (["demo", "--methods", "dense", "--draft-tokens", "2"], "--draft-tokens"),
+    (["generate", "--prompt", "x", "--tp", "64"], "--tp"),      # more devices than there are
+    (["eval", "--tp", "64"], "--tp"),
+    (["eval", "--tp", "0"], "--tp"),
     (["calibrate", "--method", "delta", "--out", "x.json", "--samples", "0"], "--samples"),
     (["train-gates", "--model", "x", "--target-heads", "2", "--out", "o", "--steps", "0"],
      "--steps"),
