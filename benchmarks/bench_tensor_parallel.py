@@ -16,6 +16,7 @@ Random bf16 weights and K/V (benchmarks/shapes.py); the cache is created sharded
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -35,20 +36,6 @@ import numpy as np  # noqa: E402
 import harness  # noqa: E402
 import shapes as S  # noqa: E402
 
-S.MODELS.update({
-    # DeepSeek-R1-Distill-Qwen-7B / -14B (DELTA's Figure 5 models)
-    "qwen-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, num_layers=28,
-                    num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
-                    rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True,
-                    max_position_embeddings=131072),
-    "qwen-14b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, num_layers=48,
-                     num_heads=40, num_kv_heads=8, head_dim=128, intermediate_size=13824,
-                     rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True,
-                     max_position_embeddings=131072),
-    "tiny-tp": dict(model_type="qwen2", vocab_size=512, hidden_size=128, num_layers=6,
-                    num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=256,
-                    qkv_bias=True, max_position_embeddings=4096),
-})
 METHODS = ("dense", "delta", "kascade", "lychee")
 FULL = dict(
     one_gpu=[("llama-8b", 1, (4096, 32768), ("dense", "delta")),
@@ -131,12 +118,12 @@ def step_times(model, name, batch, contexts, mesh, steps):
 def fits(config, batch, context, tp) -> bool:
     """Weights + 2.35x the cache (XLA's temporaries, see bench_decode_matrix) per GPU."""
     from bench_decode_matrix import CACHE_HEADROOM, device_memory
+    from sparsejax.models import param_shapes
 
     c = config
     kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2 * batch * (context + EXTRA_STEPS)
-    weights = 2 * (c.vocab_size * c.hidden_size * 2 + c.num_layers * (
-        c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size * c.intermediate_size))
+    weights = 2 * sum(math.prod(shape) for shape in jax.tree.leaves(
+        param_shapes(c), is_leaf=lambda x: isinstance(x, tuple)))
     copies = max(1, tp // c.num_kv_heads)
     return (weights / tp + CACHE_HEADROOM * kv_bytes * copies / tp) <= device_memory()
 
