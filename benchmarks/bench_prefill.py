@@ -51,8 +51,8 @@ SMOKE = dict(config=dict(LLAMA_8B, vocab_size=97, hidden_size=64, num_layers=4, 
 WEIGHTS = dict(layer0=1 / 32, anchor=4 / 32, reuse=27 / 32)
 DTYPE = jnp.bfloat16
 # (block_q, block_n, num_warps, num_stages) for the dense kernel; None keeps the default
-SWEEP = [(None, None, None, None), (32, 64, 8, 2), (32, 64, 4, 3), (32, 32, 4, 2),
-         (16, 64, 4, 3), (64, 32, 8, 2), (32, 64, 8, 3)]
+SWEEP = [(None, None, None, None), (32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3),
+         (32, 64, 8, 3), (64, 128, 8, 2), (16, 64, 4, 3), (32, 64, 4, 4), (32, 128, 4, 3)]
 SWEEP_CONTEXT = 32768
 META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
             weights="kascade_weighted = (1/32 + 4/32) anchor + 27/32 reuse (Kascade Table 3)",
@@ -243,13 +243,15 @@ def main(argv=None):
     parser.add_argument("--parts", default="layer,model,correction")
     parser.add_argument("--contexts", default=None,
                         help="comma-separated contexts of the layer part (default: 8k-128k)")
+    parser.add_argument("--model-contexts", default=None,
+                        help="comma-separated contexts of the model part (default: 32k,128k)")
     args = parser.parse_args(argv)
     if not (args.smoke or jax.default_backend() == "gpu"):
         raise SystemExit("needs a GPU; use --smoke to exercise the script on CPU")
     cfg = SMOKE if args.smoke else FULL
-    parts = args.parts.split(",")
-    if args.contexts:
-        cfg = dict(cfg, contexts=tuple(int(c) for c in args.contexts.split(",")))
+    for name in ("contexts", "model_contexts"):
+        if getattr(args, name):
+            cfg = dict(cfg, **{name: tuple(int(c) for c in getattr(args, name).split(","))})
     parts = args.parts.split(",")
     rows = layer_rows(cfg, args.smoke) if "layer" in parts else []
     if {"model", "correction"} & set(parts):

@@ -31,14 +31,26 @@ def _write(doc: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def _flat(values):
+    """Values and lists of values (a merged document's) as one stream."""
+    for v in values:
+        yield from (v if isinstance(v, list) else [v])
+
+
 def merge(paths: list[Path]) -> dict:
+    """One document from several runs; a later run's result replaces an earlier one of the
+    same method, ratio and task (so a partial rerun merges into a full table)."""
     docs = [json.loads(p.read_text()) for p in paths]
+
+    def same(d, key):  # the model by its folder name: runs on other machines have other roots
+        return Path(d[key]).name if key == "model" and d[key] else d[key]
     for p, d in zip(paths[1:], docs[1:]):
         for key in _SAME:
-            if d[key] != docs[0][key]:
+            if same(d, key) != same(docs[0], key):
                 raise ValueError(f"{p}: {key}={d[key]!r}, but {paths[0]} has {docs[0][key]!r}")
-    out = dict(docs[0], results=[r for d in docs for r in d["results"]],
-               lychee_retrieval_heads=sorted({d["lychee_retrieval_heads"] for d in docs}),
+    results = {(r["method"], r["budget_ratio"], r["task"]): r for d in docs for r in d["results"]}
+    out = dict(docs[0], results=list(results.values()),
+               lychee_retrieval_heads=sorted(set(_flat(d["lychee_retrieval_heads"] for d in docs))),
                calibrated=sorted({c for d in docs for c in d.get("calibrated", [])}),
                merged_from=[p.name for p in paths])
     return out

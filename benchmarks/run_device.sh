@@ -32,6 +32,7 @@ $PY -c "import jax, jaxlib, triton; print('jax', jax.__version__, 'jaxlib', jaxl
 #                eval and the demo read them; results/calibration.json) and the shipped Lychee gates
 #                against random heads (gates.json)
 # Each process stops after FIDELITY_LIMIT_S seconds; groups that ran out of time are left out.
+# FIDELITY_GROUPS="i j" runs only those groups of fidelity() and merges them into the table.
 export_fidelity_env() {
   # batch 8: the f32 prefill's [8, 8, 4096, 4096] scores are 4.3 GB per layer
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 JAX_DEFAULT_MATMUL_PRECISION=highest
@@ -42,18 +43,23 @@ export_fidelity_env() {
 fidelity() {
   export_fidelity_env
   local dir; dir=$(mktemp -d)
+  # the last two groups: Kascade's sparse prefill, and cache correction every 4 generated
+  # tokens (answers are at most 16 tokens, so every 32 would never run)
   local groups=("dense,oracle,oracle+resa,streaming,streaming+resa" "quest,quest+resa,tidal,tidal+resa"
-                "delta,delta+resa,kascade,kascade+resa" "lychee,lychee+resa")
-  local i=0
-  for g in "${groups[@]}"; do
+                "delta,delta+resa,kascade,kascade+resa" "lychee,lychee+resa" "kascade" "lychee,tidal")
+  local extra=("" "" "" "" "--sparse-prefill" "--correct-every 4")
+  local i
+  for i in "${!groups[@]}"; do
+    [ -z "${FIDELITY_GROUPS:-}" ] || [[ " $FIDELITY_GROUPS " == *" $i "* ]] || continue
     # outside the repository, so that its sparsejax/ folder does not shadow the package
     (cd /tmp && timeout "$limit" $PY -m sparsejax eval --task niah,multikey,multivalue,vt \
-       --context 4096 --samples 8 --batch 8 --methods "$g" --budget-ratio 0.1,0.25 \
-       --no-timing --json "$dir/part$i.json") &
-    i=$((i + 1))
+       --context 4096 --samples 8 --batch 8 --methods "${groups[$i]}" --budget-ratio 0.1,0.25 \
+       ${extra[$i]} --no-timing --json "$dir/part$i.json") &
   done
   wait
-  $PY benchmarks/fidelity.py merge "$dir"/part*.json &&
+  # a partial rerun (FIDELITY_GROUPS="4 5") merges into the committed table
+  local base=(); [ -z "${FIDELITY_GROUPS:-}" ] || base=(benchmarks/results/fidelity.json)
+  $PY benchmarks/fidelity.py merge "${base[@]}" "$dir"/part*.json &&
     $PY benchmarks/fidelity.py resa benchmarks/results/fidelity.json
 }
 
@@ -87,7 +93,7 @@ for s in "${steps[@]}"; do
     decode) cmd=($PY benchmarks/bench_decode_attention.py) ;;
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
-    prefill) cmd=($PY benchmarks/bench_prefill.py) ;;
+    prefill) cmd=($PY benchmarks/bench_prefill.py ${PREFILL_ARGS:-}) ;;
     tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling}) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     fidelity) cmd=(fidelity) ;;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import warnings
 from typing import Literal
 
@@ -153,6 +154,10 @@ def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table {page_table.dtype}{list(page_table.shape)}: expected "
                          f"int32[{batch}, max_pages]")
+
+
+LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)  # online softmaxes run in base 2: exp2 is one MUFU op, exp is not
 
 
 def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

@@ -89,7 +89,9 @@ def _program(q_ref, lengths_ref, st: _Static) -> _Program:
     chunk, group, group_pad, block_q, num_splits = (st.chunk, st.group, st.group_pad,
                                                     st.block_q, st.num_splits)
     b, h = pl.program_id(0), pl.program_id(1)
-    qblock, split = lax.div(pl.program_id(2), num_splits), lax.rem(pl.program_id(2), num_splits)
+    # Later query blocks see more keys: they run first, so the last wave is the lightest.
+    qblock = common.cdiv(chunk, block_q) - 1 - lax.div(pl.program_id(2), num_splits)
+    split = lax.rem(pl.program_id(2), num_splits)
     rows = block_q * group_pad
     first = qblock * block_q
     token = first + jnp.arange(rows) // group_pad
@@ -159,10 +161,18 @@ def _prefill_kernel(
     per_split = pl.cdiv(total, num_splits)
     begin = split * per_split
     end = jnp.minimum(begin + per_split, total)
+    # Dense blocks wholly inside [lo, last_pos] and before the block's first query need no
+    # mask: every row attends to every key (padded rows too; they are dropped at the end).
+    # The stream is [begin, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, end)
+    # masked: the masks and their selects cost as much ALU as the softmax itself.
+    to_stream = sel_blocks - lo_block
+    full_lo = jnp.clip(pl.cdiv(lo, block_n) + to_stream, begin, end)
+    full_hi = jnp.clip(lax.div(jnp.minimum(start + first, last_pos + 1), block_n) + to_stream,
+                       full_lo, end)
 
     def block_positions(j):
         """Positions [block_n] of stream block j and which of them are attended."""
-        pos = (lo_block + j - sel_blocks) * block_n + jnp.arange(block_n)
+        pos = (j - to_stream) * block_n + jnp.arange(block_n)
         valid = (pos >= lo) & (pos <= last_pos)
         if sparse:
             slot = j * block_n + jnp.arange(block_n)
@@ -174,39 +184,56 @@ def _prefill_kernel(
                               & (chosen <= last_pos), valid)
         return pos, valid
 
-    def body(j, carry):
-        acc, m, l = carry
+    def page_ids(pos, valid):
+        return plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)],
+                          mask=valid, other=0)
+
+    def attend(j, carry, masked: bool):
+        acc, m, l, pages = carry
         pos, valid = block_positions(j)
-        # Nothing outside the stream is read (unwritten slots stay unread).
-        gather = functools.partial(_gather, page_table_ref=page_table_ref, b=b, h=h, pos=pos,
-                                   valid=valid, kv_heads=kv_heads, page_size=page_size)
-        k, v = gather(k_ref), gather(v_ref)  # [block_n, D]
-        s = dot(q, k, (((1,), (1,)), ((), ()))) * st.sm_scale  # [rows, block_n]
-        attend = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        s = jnp.where(attend, s, -jnp.inf)
-        # A row may see no key in a block (causal diagonal, padded rows): keep exp finite.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(s - m_safe[:, None])
+        # The next block's page ids are fetched a step ahead, off the K/V path.
+        next_pos, next_valid = block_positions(j + 1)
+        next_pages = page_ids(next_pos, next_valid)
+        slot = (pages * kv_heads + h) * page_size + (pos & (page_size - 1))
+        rows_at = (slot[:, None], cols[None, :])
+        if masked:  # nothing outside the stream is read (unwritten slots stay unread)
+            k = plgpu.load(k_ref.at[rows_at], mask=valid[:, None], other=0)
+            v = plgpu.load(v_ref.at[rows_at], mask=valid[:, None], other=0)
+        else:
+            k, v = plgpu.load(k_ref.at[rows_at]), plgpu.load(v_ref.at[rows_at])
+        s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
+        if masked:
+            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+            s = jnp.where(keep, s, -jnp.inf)
+            # A row may see no key in a block (causal diagonal, padded rows): exp2 stays finite.
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        else:
+            m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_shift)
+        p = jnp.exp2(s - m_shift[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
-        return acc, m_new, l
+        return acc, m_new, l, next_pages
 
+    scale = st.sm_scale * common.LOG2E
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(begin, end, body, (acc, m, l))
+    carry = (acc, m, l, page_ids(*block_positions(begin)))
+    carry = lax.fori_loop(begin, full_lo, functools.partial(attend, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
+    acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, masked=True), carry)
 
     # Every existing row is written: queries past the length (and empty splits) get out 0
     # and lse -inf, the convention of `common.merge_partials`.
-    nonempty = l > 0
+    nonempty = (l > 0) & row_valid
     l_safe = jnp.where(nonempty, l, 1.0)
     stored = (token < chunk) & (member < group)
-    plgpu.store(out_ref.at[split, q_row[:, None], cols[None, :]], acc / l_safe[:, None],
-                mask=stored[:, None])
-    plgpu.store(lse_ref.at[split, q_row], jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf),
-                mask=stored)
+    plgpu.store(out_ref.at[split, q_row[:, None], cols[None, :]],
+                jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0), mask=stored[:, None])
+    lse = m * common.LN2 + jnp.log(l_safe)
+    plgpu.store(lse_ref.at[split, q_row], jnp.where(nonempty, lse, -jnp.inf), mask=stored)
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,
@@ -250,7 +277,9 @@ def _tile_scores_kernel(
 ):
     b, h, split, first, _, _, length, row_valid, q_row, q = _program(q_ref, lengths_ref, st)
     kv_heads, page_size, block_n, num_splits = st.kv_heads, st.page_size, st.block_n, st.num_splits
+    # Base 2; padded rows get lse +inf, so their probabilities are 0 without a row mask.
     lse = plgpu.load(lse_ref.at[q_row], mask=row_valid, other=0.0)
+    lse = jnp.where(row_valid, lse * common.LOG2E, jnp.inf)
     t = lax.div(first, st.tile)
     # the keys before the tile, within the page table's span
     lo = jnp.minimum(start_ref[b] + t * st.tile, page_table_ref.shape[1] * page_size)
@@ -265,8 +294,8 @@ def _tile_scores_kernel(
         k = _gather(k_ref, page_table_ref, b, h, pos, valid, kv_heads=kv_heads,
                     page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=lax.Precision.HIGHEST) * st.sm_scale
-        p = jnp.where(row_valid[:, None] & valid[None, :], jnp.exp(s - lse[:, None]), 0.0)
+                            precision=lax.Precision.HIGHEST) * (st.sm_scale * common.LOG2E)
+        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
         # A whole block (the output is padded to whole blocks): columns past lo add 0.
         plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
         return carry

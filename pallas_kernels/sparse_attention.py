@@ -71,8 +71,6 @@ _MAX_SPLIT_TOKENS = 2048  # longest split: bounds the tail of the last programs 
 _MIN_SPLIT_TOKENS = 256  # shortest split: the prologue and the partial write stay amortised
 _TARGET_PROGRAMS = 4 * _WAVE  # when splitting anyway: ~4 waves, a short tail
 _MAX_DENSE_SPLITS = 128  # dense heads: mostly-empty grids cost scheduling and partial bytes
-_LN2 = math.log(2.0)
-_LOG2E = math.log2(math.e)
 
 
 class SparseAttention(NamedTuple):
@@ -282,7 +280,7 @@ def _write(queries: _QueryRows, acc, m, l, b, split, out_ref, lse_ref, prior_out
     final result with one split (`direct`), else this split's partial."""
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-    lse = jnp.where(nonempty, m * _LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    lse = jnp.where(nonempty, m * common.LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
     for rows_here, o_ref, l_ref in ((queries.is_q, out_ref, lse_ref),
                                     (queries.is_prior, prior_out_ref, prior_lse_ref)):
         if o_ref is None:
@@ -343,7 +341,7 @@ def _sparse_decode_kernel(
                             rows=1 if mode == "q" else num_heads // kv_heads, block_h=block_h,
                             has_prior=has_prior, has_prior_bound=has_prior_bound)
     acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref,
-                               scale=sm_scale * _LOG2E,  # online softmax in base 2
+                               scale=sm_scale * common.LOG2E,  # online softmax in base 2
                                lookahead=lookahead)
     _write(queries, acc, m, l, b, split, out_ref, lse_ref, prior_out_ref, prior_lse_ref,
            num_heads=num_heads, direct=out_ref.shape[0] == 1)

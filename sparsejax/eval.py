@@ -220,8 +220,12 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
                   build_methods(model.config, method_names, ratio, context, fitted))
         for name, method in chosen.items():
             lossless = name.endswith(SPEC)
+            label = name  # names the options that changed the run
             if sparse_prefill and isinstance(method, M.Kascade) and not lossless:
                 method = dataclasses.replace(method, sparse_prefill=True)
+                label += "+sparse_prefill"
+            if correct_every and not (lossless or isinstance(method, M.Dense)):
+                label += f"+correct{correct_every}"
             t0 = time.perf_counter()
             gamma = draft_tokens if lossless else None
             rows = run_method(model, prompts, method, batch=batch,
@@ -230,10 +234,11 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
                               draft_tokens=gamma)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task, gamma)
-                res.update(method=name, budget_ratio=ratio, config=describe(method, model.config))
+                res.update(method=label, budget_ratio=ratio,
+                           config=describe(method, model.config))
                 doc["results"].append(res)
             overall = doc["results"][-1]
-            progress(f"{name:<16} ratio {ratio:<5} acc {overall['accuracy']:.3f} "
+            progress(f"{label:<16} ratio {ratio:<5} acc {overall['accuracy']:.3f} "
                      f"recall {fmt(overall['mean_recall'])} err {fmt(overall['mean_attn_error'])} "
                      f"accepted {fmt(overall['acceptance_rate'], '.2f')} "
                      f"{fmt(overall['tokens_per_s'], '.1f')} tok/s "

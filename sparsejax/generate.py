@@ -254,6 +254,10 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
         raise ValueError(f"correct_every={correct_every!r}: expected None or an int >= 1")
     if draft_tokens is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
         raise ValueError(f"draft_tokens={draft_tokens!r}: expected None or an int >= 1")
+    if draft_tokens is not None and correct_every is not None:
+        raise ValueError(f"correct_every={correct_every!r} with draft_tokens={draft_tokens!r}: "
+                         "lossless mode's cache already holds dense K/V for every accepted "
+                         "token, so there is nothing to correct; pass one of them")
     if draft_tokens is not None and return_diagnostics:
         raise ValueError("return_diagnostics=True with draft_tokens: diagnostics are per "
                          "decode step of one method; run without draft_tokens for them")

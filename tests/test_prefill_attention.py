@@ -107,10 +107,12 @@ def _case(chunk, start, lengths, *, page_size=8, group=2, dtype=jnp.float32, hea
                 lengths=lengths, dtype=dtype)
 
 
-CASES = [   # chunk sizes 1, 7, 128, 300; starts at 0, mid-page, on a page boundary; ragged
+CASES = [   # chunk sizes 1, 7, 128, 300; starts at 0, mid-page, on a page boundary, deep; ragged
     (_case(1, [0, 13, 24], [1, 1, 0]), {}),
     (_case(7, [0, 5], [7, 3], dtype=jnp.bfloat16, group=4), {}),
     (_case(7, [3, 16], [5, 7], group=3), dict(num_splits=3)),
+    # a short chunk deep in the cache: unmasked key blocks, split mid-stream
+    (_case(7, [130, 67], [7, 4], group=4), dict(block_n=16, num_splits=3)),
     (_case(128, [0, 37], [128, 100], page_size=16, dtype=jnp.float16), dict(block_n=32)),
     (_case(300, [0, 21], [300, 151], dtype=jnp.bfloat16, head_dim=128),
      dict(block_q=32, num_splits=2)),

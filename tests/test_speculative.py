@@ -218,6 +218,8 @@ def test_bad_draft_tokens(model, prompts):
     with pytest.raises(ValueError, match="return_diagnostics=True with draft_tokens"):
         sparsejax.generate(model, prompts, max_new_tokens=2, draft_tokens=2,
                            return_diagnostics=True)
+    with pytest.raises(ValueError, match="correct_every=4 with draft_tokens=2"):
+        sparsejax.generate(model, prompts, max_new_tokens=2, draft_tokens=2, correct_every=4)
 
 
 # ---- sampling follows the dense distribution ------------------------------------------------
