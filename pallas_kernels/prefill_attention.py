@@ -104,14 +104,20 @@ def _program(q_ref, lengths_ref, st: _Static) -> _Program:
     return _Program(b, h, split, first, token, member, length, row_valid, q_row, q)
 
 
-def _gather(ref, page_table_ref, b, h, pos, valid, *, kv_heads, page_size):
-    """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at logical positions
-    `pos` of row b, KV head h; masked gathers read nothing where not `valid`."""
-    page = plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)], mask=valid,
+def _page_ids(page_table_ref, b, pos, valid, page_size):
+    """Page ids [len(pos)] of row b's logical positions `pos`; nothing is read where not
+    `valid` (entries past the length may be garbage)."""
+    return plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)], mask=valid,
                       other=0)
-    slot = (page * kv_heads + h) * page_size + (pos & (page_size - 1))
-    cols = jnp.arange(ref.shape[-1])
-    return plgpu.load(ref.at[slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+
+
+def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size):
+    """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at positions `pos` (on
+    `pages`) of KV head h. Masked gathers read nothing where not `valid`; valid=None reads
+    every row without a mask."""
+    slot = (pages * kv_heads + h) * page_size + (pos & (page_size - 1))
+    at = ref.at[slot[:, None], jnp.arange(ref.shape[-1])[None, :]]
+    return plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0)
 
 
 def _prefill_kernel(
@@ -184,23 +190,18 @@ def _prefill_kernel(
                               & (chosen <= last_pos), valid)
         return pos, valid
 
-    def page_ids(pos, valid):
-        return plgpu.load(page_table_ref.at[b, pos >> (page_size.bit_length() - 1)],
-                          mask=valid, other=0)
+    def lookup(j):  # (positions, attended, page ids) of stream block j
+        pos, valid = block_positions(j)
+        return pos, valid, _page_ids(page_table_ref, b, pos, valid, page_size)
 
     def attend(j, carry, masked: bool):
-        acc, m, l, pages = carry
-        pos, valid = block_positions(j)
-        # The next block's page ids are fetched a step ahead, off the K/V path.
-        next_pos, next_valid = block_positions(j + 1)
-        next_pages = page_ids(next_pos, next_valid)
-        slot = (pages * kv_heads + h) * page_size + (pos & (page_size - 1))
-        rows_at = (slot[:, None], cols[None, :])
-        if masked:  # nothing outside the stream is read (unwritten slots stay unread)
-            k = plgpu.load(k_ref.at[rows_at], mask=valid[:, None], other=0)
-            v = plgpu.load(v_ref.at[rows_at], mask=valid[:, None], other=0)
-        else:
-            k, v = plgpu.load(k_ref.at[rows_at]), plgpu.load(v_ref.at[rows_at])
+        acc, m, l, (pos, valid, pages) = carry
+        ahead = lookup(j + 1)  # the next block's lookups, a step ahead of its K/V loads
+        # Masked: nothing outside the stream is read (unwritten slots stay unread).
+        rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
+                                    valid=valid if masked else None, kv_heads=kv_heads,
+                                    page_size=page_size)
+        k, v = rows_at(k_ref), rows_at(v_ref)  # [block_n, D]
         s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
         if masked:
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
@@ -214,13 +215,13 @@ def _prefill_kernel(
         p = jnp.exp2(s - m_shift[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
-        return acc, m_new, l, next_pages
+        return acc, m_new, l, ahead
 
     scale = st.sm_scale * common.LOG2E
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = (acc, m, l, page_ids(*block_positions(begin)))
+    carry = (acc, m, l, lookup(begin))
     carry = lax.fori_loop(begin, full_lo, functools.partial(attend, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
     acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, masked=True), carry)
@@ -287,20 +288,27 @@ def _tile_scores_kernel(
     per_split = pl.cdiv(total, num_splits)
     begin = split * per_split
     end = jnp.minimum(begin + per_split, total)
+    full = jnp.clip(lax.div(lo, block_n), begin, end)  # blocks wholly before lo: no mask
 
-    def body(j, carry):
+    def lookup(j):  # (positions, before the tile, page ids) of block j
         pos = j * block_n + jnp.arange(block_n)
-        valid = pos < lo
-        k = _gather(k_ref, page_table_ref, b, h, pos, valid, kv_heads=kv_heads,
-                    page_size=page_size)
+        return pos, pos < lo, _page_ids(page_table_ref, b, pos, pos < lo, page_size)
+
+    def body(j, carry, masked: bool):
+        pos, valid, pages = carry
+        ahead = lookup(j + 1)  # the next block's page ids, a step ahead of its K loads
+        k = _cache_rows(k_ref, pages, h, pos, valid if masked else None, kv_heads=kv_heads,
+                        page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=lax.Precision.HIGHEST) * (st.sm_scale * common.LOG2E)
-        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-        # A whole block (the output is padded to whole blocks): columns past lo add 0.
+        p = jnp.exp2(s - lse[:, None])
+        if masked:  # a whole block (the output is padded to whole blocks): past lo adds 0
+            p = jnp.where(valid[None, :], p, 0.0)
         plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
-        return carry
+        return ahead
 
-    lax.fori_loop(begin, end, body, 0)
+    carry = lax.fori_loop(begin, full, functools.partial(body, masked=False), lookup(begin))
+    lax.fori_loop(full, end, functools.partial(body, masked=True), carry)
 
 
 def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
@@ -323,27 +331,29 @@ def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm
 
 def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
                    page_size: int, max_pages: int, dtype) -> dict:
-    """Static knobs chosen from the shapes.
+    """Static knobs chosen from the shapes (H200 sweep at Llama-3.1-8B shapes, 32k,
+    benchmarks/bench_prefill.py: 256 rows x 64 keys with 8 warps ran 1.45x faster than 128
+    rows with 4).
 
-    block_q: query tokens per program, so that block_q x the padded GQA group is 64 rows
-      (128 for head_dim <= 64): a flash-attention M tile; at least 16 rows, at most the
-      chunk's next power of 2.
+    block_q: query tokens per program, so that block_q x the padded GQA group is 256 rows
+      where a row's K/V tile is at most 256 bytes (bf16/f16 at head_dim <= 128), else 64: a
+      flash-attention M tile; at least 16 rows, at most the chunk's next power of 2.
     block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB).
     num_splits: split the key stream only when the (batch, kv_head, query block) programs
       alone leave the GPU idle (short chunks over a long cache: correction, verification):
       ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
-    num_warps=4, num_stages=2.
+    num_warps: 8 from 128 rows, else 4; num_stages=3.
     """
     group_pad = common.next_power_of_2(q_heads // kv_heads)
-    target_rows = 128 if head_dim <= 64 else 64
-    block_q = max(1, target_rows // group_pad, common.cdiv(MIN_ROWS, group_pad))
+    narrow = head_dim * jnp.dtype(dtype).itemsize <= 256
+    block_q = max(1, (256 if narrow else 64) // group_pad, common.cdiv(MIN_ROWS, group_pad))
     block_q = min(block_q, max(common.next_power_of_2(chunk), common.cdiv(MIN_ROWS, group_pad)))
-    block_n = 32 if head_dim * jnp.dtype(dtype).itemsize > 256 else 64
+    block_n = 64 if narrow else 32
     programs = batch * kv_heads * common.cdiv(chunk, block_q)
     max_blocks = common.cdiv(max_pages * page_size, block_n)
     num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
-    return dict(block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=4,
-                num_stages=2)
+    return dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
+                num_warps=8 if block_q * group_pad >= 128 else 4, num_stages=3)
 
 
 def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_stages):
