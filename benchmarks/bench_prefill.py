@@ -120,7 +120,12 @@ def sweep(cfg, smoke):
         tuning = {n: x for n, x in zip(("block_q", "block_n", "num_warps", "num_stages"), knobs)
                   if x is not None}
         fn = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning))
-        ms = timer(smoke)(fn, q, k, v, table)
+        try:
+            ms = timer(smoke)(fn, q, k, v, table)
+        except jax.errors.JaxRuntimeError as e:  # e.g. more shared memory than the GPU has
+            rows.append(dict(case="sweep_dense_chunked", context=context, tuning=tuning,
+                             error=str(e).splitlines()[0][:200]))
+            continue
         rows.append(harness.row("sweep_dense_chunked", context=context, batch=1, ms=ms,
                                 tuning=tuning))
         best = (ms, tuning) if best is None or ms < best[0] else best
