@@ -9,8 +9,10 @@
    Floor: causal attention's FLOPs (2 T^2 HQ d for QK and PV) at the bf16 dense peak.
 2. Whole-model prefill (random bf16 weights, Llama-3.1-8B shapes) at 32k and 128k: dense
    chunked, Kascade sparse prefill, and the one-pass cuDNN prefill.
-3. Cache correction every 32 tokens relative to 32 decode steps (TidalDecode) at 32k, B=16.
-A small sweep at 32k picks the dense kernel's knobs for the dense rows (the sweep rows too).
+3. Cache correction every 32 tokens relative to 32 decode steps (TidalDecode) at 32k, B=16
+   (B=8 where B=16 does not fit).
+A small sweep at 32k picks the dense kernel's knobs for the dense rows, and times the sparse
+stream and the tile scores with and without lookahead (the sweep rows).
 
   python benchmarks/bench_prefill.py            # on the GPU (an H200: part 3 needs ~85 GB)
   python benchmarks/bench_prefill.py --smoke    # tiny shapes on CPU (the references)
@@ -43,17 +45,18 @@ LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_lay
                 rope_theta=500000.0, max_position_embeddings=131072)
 FULL = dict(config=LLAMA_8B, page_size=16, chunk=8192, tile=128,
             contexts=(8192, 16384, 32768, 65536, 131072), model_contexts=(32768, 131072),
-            correct_context=32768, correct_batch=16, correct_every=32)
+            correct_context=32768, correct_batches=(16, 8), correct_every=32)
 SMOKE = dict(config=dict(LLAMA_8B, vocab_size=97, hidden_size=64, num_layers=4, num_heads=4,
                          num_kv_heads=2, head_dim=64, intermediate_size=96),
              page_size=16, chunk=256, tile=64, contexts=(512,), model_contexts=(512,),
-             correct_context=512, correct_batch=2, correct_every=8)
+             correct_context=512, correct_batches=(2,), correct_every=8)
 # Table 3's weighting: layer 0, the other 4 anchors, 27 reuse layers of 32
 WEIGHTS = dict(layer0=1 / 32, anchor=4 / 32, reuse=27 / 32)
 DTYPE = jnp.bfloat16
 # (block_q, block_n, num_warps, num_stages) for the dense kernel; None keeps the default
-SWEEP = [(None, None, None, None), (64, 64, 8, 4), (64, 32, 8, 3), (64, 64, 16, 3),
-         (32, 128, 8, 3), (32, 64, 4, 3)]
+SWEEP = [(None, None, None, None, None), (64, 64, 8, 3, 0), (64, 64, 8, 4, 1),
+         (64, 64, 16, 3, 1), (32, 64, 4, 3, 1)]
+KNOBS = ("block_q", "block_n", "num_warps", "num_stages", "lookahead")
 SWEEP_CONTEXT = 32768
 META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
             weights="kascade_weighted = (1/32 + 4/32) anchor + 27/32 reuse (Kascade Table 3)",
@@ -117,8 +120,7 @@ def sweep(cfg, smoke):
     q, k, v, table = paged_layer(jax.random.key(0), context, cfg)
     rows, best = Rows(smoke), None
     for knobs in SWEEP[:2] if smoke else SWEEP:
-        tuning = {n: x for n, x in zip(("block_q", "block_n", "num_warps", "num_stages"), knobs)
-                  if x is not None}
+        tuning = {n: x for n, x in zip(KNOBS, knobs) if x is not None}
         fn = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning))
         try:
             ms = timer(smoke)(fn, q, k, v, table)
@@ -129,7 +131,26 @@ def sweep(cfg, smoke):
         rows.append(harness.row("sweep_dense_chunked", context=context, batch=1, ms=ms,
                                 tuning=tuning))
         best = (ms, tuning) if best is None or ms < best[0] else best
+    # The lookahead of Kascade's sparse stream and of the tile scores
+    plan, tile = kascade_plan(cfg, 0.1), cfg["tile"]
+    _, sel = jax.jit(functools.partial(anchor_layer, plan=plan, tile=tile))(q, k, v, table)
+    lse = paged_prefill_attention(q, k, v, table, jnp.zeros((1,), jnp.int32),
+                                  jnp.array([context], jnp.int32)).lse
+    for lookahead in (0, 1):
+        reuse = jax.jit(functools.partial(reuse_layer, tile=tile, lookahead=lookahead))
+        scoring = jax.jit(functools.partial(tile_scores, tile=tile, lookahead=lookahead))
+        for case, ms in (("sweep_reuse", timer(smoke)(reuse, q, k, v, table, sel.indices,
+                                                       sel.count)),
+                         ("sweep_anchor_scores", timer(smoke)(scoring, q, k, table, lse))):
+            rows.append(harness.row(case, context=context, batch=1, ms=ms, ratio=0.1,
+                                    tuning=dict(lookahead=lookahead)))
     return best[1], rows
+
+
+def kascade_plan(cfg, ratio):
+    config = ModelConfig(**cfg["config"])
+    return methods.Kascade(ratio=ratio, min_k=0, sparse_prefill=True, prefill_tile=cfg["tile"]
+                           ).scaled_to(config.num_layers).to_plan(config, cfg["page_size"])
 
 
 def anchor_layer(q, k, v, table, *, plan, tile):
@@ -140,9 +161,9 @@ def anchor_layer(q, k, v, table, *, plan, tile):
     return r.out, tile_selection(scores, k, table, plan=plan, tile=tile)
 
 
-def tile_scores(q, k, table, lse, *, tile):
+def tile_scores(q, k, table, lse, *, tile, lookahead=None):
     start, length = jnp.zeros((1,), jnp.int32), jnp.array([q.shape[1]], jnp.int32)
-    return paged_tile_scores(q, k, table, start, length, lse, tile=tile)
+    return paged_tile_scores(q, k, table, start, length, lse, tile=tile, lookahead=lookahead)
 
 
 def tile_selection(scores, k, table, *, plan, tile):
@@ -150,10 +171,10 @@ def tile_selection(scores, k, table, *, plan, tile):
                         table.shape[1] * k.shape[2])
 
 
-def reuse_layer(q, k, v, table, indices, count, *, tile):
+def reuse_layer(q, k, v, table, indices, count, *, tile, lookahead=None):
     start, length = jnp.zeros((1,), jnp.int32), jnp.array([q.shape[1]], jnp.int32)
     return paged_prefill_attention(q, k, v, table, start, length, indices=indices, count=count,
-                                   tile=tile).out
+                                   tile=tile, lookahead=lookahead).out
 
 
 def layer_rows(cfg, smoke):
@@ -177,9 +198,7 @@ def layer_rows(cfg, smoke):
         rows.append(harness.row("cudnn", context=context, batch=1, ms=cudnn_ms, floor=floor,
                                 peer="cudnn", peer_ms=cudnn_ms))
         for ratio in (0.1, 0.2):
-            config = ModelConfig(**c)
-            plan = methods.Kascade(ratio=ratio, min_k=0, sparse_prefill=True, prefill_tile=tile
-                                   ).scaled_to(config.num_layers).to_plan(config, cfg["page_size"])
+            plan = kascade_plan(cfg, ratio)
             anchor = jax.jit(functools.partial(anchor_layer, plan=plan, tile=tile))
             anchor_ms = time(anchor, q, k, v, table)
             _, sel = anchor(q, k, v, table)
@@ -236,10 +255,25 @@ def model_rows(model, cfg, smoke):
 
 
 def correction_rows(model, cfg, smoke):
-    """Correcting N tokens once vs the N decode steps it follows (TidalDecode)."""
+    """Correcting N tokens once vs the N decode steps it follows (TidalDecode). A batch that
+    does not fit is recorded and the next smaller one runs."""
+    rows = Rows(smoke)
+    for batch in cfg["correct_batches"]:
+        try:
+            for row in correction_at(model, cfg, smoke, batch):
+                rows.append(row)
+            break
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            rows.append(dict(case=f"correction_every_{cfg['correct_every']}", batch=batch,
+                             context=cfg["correct_context"], error=str(e).splitlines()[0][:300]))
+    return rows
+
+
+def correction_at(model, cfg, smoke, batch):
     time = timer(smoke)
-    config, n = model.config, cfg["correct_every"]
-    batch, context = cfg["correct_batch"], cfg["correct_context"]
+    config, n, context = model.config, cfg["correct_every"], cfg["correct_context"]
     plan = as_plan(methods.TidalDecode(k=max(1, context // 10)).scaled_to(config.num_layers),
                    config, cfg["page_size"])
     cache = kv.allocate(config, batch, context + n, page_size=cfg["page_size"], dtype=DTYPE)
@@ -252,7 +286,12 @@ def correction_rows(model, cfg, smoke):
     # it (69 GB at 32k, B=16) would not fit beside it. The steps stay within the n spare slots.
     step = jax.jit(functools.partial(sparsejax.decode_step, plan=plan), donate_argnums=1)
     fix = jax.jit(functools.partial(correct, plan=plan), donate_argnums=1)
+    # Copies of a cache-sized array in the compiled step (0 when the update is in place).
+    hlo = step.lower(model, cache, tokens[:, 0]).compile().as_text()
+    cache_shape = f"[{','.join(map(str, cache.k.shape))}]"
+    copies = sum(" copy(" in line and cache_shape in line for line in hlo.splitlines())
     state = [cache]
+    del cache
 
     def decode():
         state[0] = step(model, state[0], tokens[:, 0])[1]
@@ -263,13 +302,12 @@ def correction_rows(model, cfg, smoke):
         return state[0].lengths
     decode_ms = time(decode)
     correct_ms = time(correction)
-    rows = Rows(smoke)
-    for row in (harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms),
-                harness.row(f"correction_every_{n}", context=context, batch=batch,
-                            ms=correct_ms, peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
-                            share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))):
-        rows.append(row)
-    return rows
+    state.clear()  # the cache is freed before the next batch or part
+    return [harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms,
+                        cache_copies_in_step=copies),
+            harness.row(f"correction_every_{n}", context=context, batch=batch, ms=correct_ms,
+                        peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
+                        share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))]
 
 
 def main(argv=None):

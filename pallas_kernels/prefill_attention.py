@@ -59,14 +59,15 @@ class _Static(NamedTuple):
     block_n: int
     tile: int
     num_splits: int
+    lookahead: int  # 1: a block's page (and index) lookups run one loop step before its loads
 
 
-def _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits) -> _Static:
+def _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead) -> _Static:
     _, chunk, q_heads, _ = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     group = q_heads // kv_heads
     return _Static(sm_scale, chunk, group, common.next_power_of_2(group), kv_heads, page_size,
-                   block_q, block_n, tile, num_splits)
+                   block_q, block_n, tile, num_splits, lookahead)
 
 
 class _Program(NamedTuple):
@@ -118,6 +119,12 @@ def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size):
     slot = (pages * kv_heads + h) * page_size + (pos & (page_size - 1))
     at = ref.at[slot[:, None], jnp.arange(ref.shape[-1])[None, :]]
     return plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0)
+
+
+def _looked_up(lookup, j, ahead, lookahead: int):
+    """-> (block j's lookups, the carry for step j + 1): with lookahead they were made a step
+    earlier and block j + 1's are made now, off the path of block j's K/V loads."""
+    return (ahead, lookup(j + 1)) if lookahead else (lookup(j), ())
 
 
 def _prefill_kernel(
@@ -195,8 +202,8 @@ def _prefill_kernel(
         return pos, valid, _page_ids(page_table_ref, b, pos, valid, page_size)
 
     def attend(j, carry, masked: bool):
-        acc, m, l, (pos, valid, pages) = carry
-        ahead = lookup(j + 1)  # the next block's lookups, a step ahead of its K/V loads
+        acc, m, l, ahead = carry
+        (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         # Masked: nothing outside the stream is read (unwritten slots stay unread).
         rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
                                     valid=valid if masked else None, kv_heads=kv_heads,
@@ -221,7 +228,7 @@ def _prefill_kernel(
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = (acc, m, l, lookup(begin))
+    carry = (acc, m, l, lookup(begin) if st.lookahead else ())
     carry = lax.fori_loop(begin, full_lo, functools.partial(attend, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
     acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, masked=True), carry)
@@ -239,9 +246,9 @@ def _prefill_kernel(
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,
                     tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
-                    num_stages):
+                    num_stages, lookahead):
     batch, chunk, q_heads, head_dim = q.shape
-    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits)
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead)
     sparse = indices is not None
     # Free reshapes of contiguous arrays: no copy.
     q_rows = q.reshape(-1, head_dim)
@@ -294,9 +301,8 @@ def _tile_scores_kernel(
         pos = j * block_n + jnp.arange(block_n)
         return pos, pos < lo, _page_ids(page_table_ref, b, pos, pos < lo, page_size)
 
-    def body(j, carry, masked: bool):
-        pos, valid, pages = carry
-        ahead = lookup(j + 1)  # the next block's page ids, a step ahead of its K loads
+    def body(j, ahead, masked: bool):
+        (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         k = _cache_rows(k_ref, pages, h, pos, valid if masked else None, kv_heads=kv_heads,
                         page_size=page_size)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -307,14 +313,16 @@ def _tile_scores_kernel(
         plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
         return ahead
 
-    carry = lax.fori_loop(begin, full, functools.partial(body, masked=False), lookup(begin))
+    carry = lax.fori_loop(begin, full, functools.partial(body, masked=False),
+                          lookup(begin) if st.lookahead else ())
     lax.fori_loop(full, end, functools.partial(body, masked=True), carry)
 
 
 def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
-                        interpret, block_q, block_n, num_splits, num_warps, num_stages):
+                        interpret, block_q, block_n, num_splits, num_warps, num_stages,
+                        lookahead):
     batch, chunk, _, head_dim = q.shape
-    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits)
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead)
     span = page_table.shape[1] * st.page_size
     shape = (batch, common.cdiv(chunk, tile), st.kv_heads, common.cdiv(span, block_n) * block_n)
     return common.pallas_call(
@@ -343,6 +351,7 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
       alone leave the GPU idle (short chunks over a long cache: correction, verification):
       ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
     num_warps: 8 from 128 rows, else 4; num_stages=3.
+    lookahead=1: each block's lookups (page ids, and selected positions) a loop step ahead.
     """
     group_pad = common.next_power_of_2(q_heads // kv_heads)
     narrow = head_dim * jnp.dtype(dtype).itemsize <= 256
@@ -353,10 +362,11 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     max_blocks = common.cdiv(max_pages * page_size, block_n)
     num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
     return dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
-                num_warps=8 if block_q * group_pad >= 128 else 4, num_stages=3)
+                num_warps=8 if block_q * group_pad >= 128 else 4, num_stages=3, lookahead=1)
 
 
-def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_stages):
+def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_stages,
+                  lookahead):
     common.check_power_of_2("block_q", block_q, 1, 512)
     common.check_power_of_2("block_n", block_n, 16, 512)
     common.check_power_of_2("num_warps", num_warps, 1, 16)
@@ -369,6 +379,8 @@ def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_
         raise ValueError(f"num_splits={num_splits!r}: expected an int >= 1")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
+    if lookahead not in (0, 1):
+        raise ValueError(f"lookahead={lookahead!r}: expected 0 or 1")
 
 
 def _tuning(q, k_pages, page_table, tile, given) -> dict:
@@ -429,6 +441,7 @@ def paged_prefill_attention(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    lookahead: int | None = None,
 ) -> PrefillAttention:
     """Causal attention of C query tokens per row over a paged KV cache.
 
@@ -449,8 +462,8 @@ def paged_prefill_attention(
       kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
       up to 16; other shapes run the reference under "auto" and raise under "pallas".
     interpret: Pallas interpret mode; None -> on unless a GPU is present.
-    block_q, block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path;
-      None picks `default_tuning`. block_q must divide `tile`.
+    block_q, block_n, num_splits, num_warps, num_stages, lookahead: static knobs of the
+      Pallas path; None picks `default_tuning`. block_q must divide `tile`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
@@ -461,15 +474,15 @@ def paged_prefill_attention(
         q, k_pages, v_pages, page_table, start, lengths, indices, count, tile=tile,
         sm_scale=sm_scale, backend=common.choose_backend(backend, unsupported),
         interpret=interpret, block_q=block_q, block_n=block_n, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, lookahead=lookahead)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "lookahead"))
 def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, indices, count,
                              *, tile, sm_scale, backend, interpret, block_q, block_n,
-                             num_splits, num_warps, num_stages):
+                             num_splits, num_warps, num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_prefill_attention_reference(
@@ -479,7 +492,7 @@ def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, in
         tile = common.next_power_of_2(max(q.shape[1], block_q or 1, 512))
     tuning = _tuning(q, k_pages, page_table, tile, dict(
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages))
+        num_stages=num_stages, lookahead=lookahead))
     return _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count,
                            tile=tile, sm_scale=sm_scale,
                            interpret=common.resolve_interpret(interpret), **tuning)
@@ -502,6 +515,7 @@ def paged_tile_scores(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    lookahead: int | None = None,
 ) -> jax.Array:
     """Kascade's prefill scores: per tile of `tile` queries and KV head, the post-softmax
     probabilities of the keys before the tile, summed over the tile's valid queries and the
@@ -523,22 +537,22 @@ def paged_tile_scores(
         q, k_pages, page_table, start, lengths, lse, tile=tile, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages)
+        num_stages=num_stages, lookahead=lookahead)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
-    "num_warps", "num_stages"))
+    "num_warps", "num_stages", "lookahead"))
 def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
                        backend, interpret, block_q, block_n, num_splits, num_warps,
-                       num_stages):
+                       num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse,
                                            tile=tile, sm_scale=sm_scale)
     tuning = _tuning(q, k_pages, page_table, tile, dict(
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages))
+        num_stages=num_stages, lookahead=lookahead))
     return _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, tile=tile,
                                sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
                                **tuning)

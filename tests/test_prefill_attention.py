@@ -112,7 +112,7 @@ CASES = [   # chunk sizes 1, 7, 128, 300; starts at 0, mid-page, on a page bound
     (_case(7, [0, 5], [7, 3], dtype=jnp.bfloat16, group=4), {}),
     (_case(7, [3, 16], [5, 7], group=3), dict(num_splits=3)),
     # a short chunk deep in the cache: unmasked key blocks, split mid-stream
-    (_case(7, [130, 67], [7, 4], group=4), dict(block_n=16, num_splits=3)),
+    (_case(7, [130, 67], [7, 4], group=4), dict(block_n=16, num_splits=3, lookahead=0)),
     (_case(128, [0, 37], [128, 100], page_size=16, dtype=jnp.float16), dict(block_n=32)),
     (_case(300, [0, 21], [300, 151], dtype=jnp.bfloat16, head_dim=128),
      dict(block_q=32, num_splits=2)),
@@ -129,7 +129,8 @@ def test_dense_matches_reference(cfg, tuning, interpret):
 
 @pytest.mark.parametrize("cfg,tile,k_max,tuning", [
     (_case(300, [0, 21], [300, 200]), 128, 40, {}),
-    (_case(40, [9, 64], [40, 17], group=4, dtype=jnp.bfloat16), 16, 12, dict(block_q=8)),
+    (_case(40, [9, 64], [40, 17], group=4, dtype=jnp.bfloat16), 16, 12,
+     dict(block_q=8, lookahead=0)),
 ])
 def test_sparse_matches_reference(cfg, tile, k_max, tuning, interpret):
     args = make_case(2, **cfg)
@@ -198,7 +199,7 @@ def numpy_tile_scores(q, k_pages, page_table, start, lengths, lse, tile, sm_scal
 
 
 @pytest.mark.parametrize("cfg,tile,tuning", [
-    (_case(40, [0, 21], [40, 30], group=4), 16, {}),
+    (_case(40, [0, 21], [40, 30], group=4), 16, dict(lookahead=0)),
     (_case(70, [5, 64], [70, 33], dtype=jnp.bfloat16, head_dim=128), 32,
      dict(block_q=16, num_splits=2)),
 ])
