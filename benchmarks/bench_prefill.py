@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -310,6 +311,45 @@ def correction_at(model, cfg, smoke, batch):
                         share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))]
 
 
+def plot(doc, path):
+    """Left: one layer's prefill attention against the context; right: whole-model prefill."""
+    from sparsejax.plotting import figure, save
+
+    rows = doc["rows"]
+    fig, ((ax, bx),) = figure(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
+    layer = [("cudnn", None, "cuDNN (one pass, contiguous K/V)"),
+             ("dense_chunked", None, "ours, dense, 8k chunks"),
+             ("kascade_weighted", 0.1, "Kascade sparse prefill 10%, Table 3 weighting"),
+             ("kascade_weighted", 0.2, "Kascade sparse prefill 20%, Table 3 weighting"),
+             ("kascade_anchor", 0.1, "Kascade anchor layer (dense + tile scores + top-k)"),
+             ("kascade_reuse", 0.1, "Kascade reuse layer, 10%")]
+    for case, ratio, label in layer:
+        pts = sorted((r["context"], r["ms"]) for r in rows
+                     if r["case"] == case and r.get("ratio") == ratio and "ms" in r)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    contexts = sorted({r["context"] for r in rows if r["case"] == "cudnn"})
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per layer",
+           title=f"prefill attention, Llama-3.1-8B shapes, B=1, {doc['device']}")
+    ax.set_xticks(contexts, [f"{c // 1024}k" for c in contexts])
+    ax.minorticks_off()
+    ax.legend(fontsize=7)
+    model = [r for r in rows if r["case"].startswith("model_prefill_")]
+    cases = list(dict.fromkeys(r["case"] for r in model))
+    ctxs = sorted({r["context"] for r in model})
+    width = 0.8 / max(1, len(cases))
+    for i, case in enumerate(cases):
+        secs = [next((r["ms"] / 1e3 for r in model if r["case"] == case and r["context"] == c),
+                     0.0) for c in ctxs]
+        bx.bar([j + i * width for j in range(len(ctxs))], secs, width,
+               label=case.removeprefix("model_prefill_").replace("_", " "))
+    bx.set_xticks([j + width * (len(cases) - 1) / 2 for j in range(len(ctxs))],
+                  [f"{c // 1024}k" for c in ctxs])
+    bx.set(ylabel="seconds", title="whole-model prefill (random weights)")
+    bx.legend(fontsize=7, loc="upper left")
+    save(fig, path)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
@@ -334,7 +374,8 @@ def main(argv=None):
     harness.print_table(rows)
     if not args.smoke:
         path = harness.write_results("prefill", rows, parts=parts, **META)
-        print(f"wrote {path}")
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        print(f"wrote {path} and its plot")
 
 
 if __name__ == "__main__":

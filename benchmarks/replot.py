@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode_attention  # noqa: E402
 import bench_decode_step  # noqa: E402
+import bench_prefill  # noqa: E402
 import bench_sparse_attention  # noqa: E402
 import fidelity  # noqa: E402
 from harness import RESULTS  # noqa: E402
@@ -28,9 +29,11 @@ def main() -> int:
     doc = load("sparse_attention")
     bench_sparse_attention.plot(doc["rows"], RESULTS / "sparse_attention.png", doc["device"],
                                 doc["jax_version"])
+    bench_prefill.plot(load("prefill"), RESULTS / "prefill.png")
     for path in fidelity.plot_questions(load("fidelity"), RESULTS):
         print(f"wrote {path}")
-    print(f"wrote {RESULTS}/decode_attention.png, decode_step.png, sparse_attention.png")
+    print(f"wrote {RESULTS}/decode_attention.png, decode_step.png, sparse_attention.png, "
+          "prefill.png")
     return 0
 
 
