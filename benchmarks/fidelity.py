@@ -48,8 +48,9 @@ def merge(paths: list[Path]) -> dict:
         for key in _SAME:
             if same(d, key) != same(docs[0], key):
                 raise ValueError(f"{p}: {key}={d[key]!r}, but {paths[0]} has {docs[0][key]!r}")
-    results = {(r["method"], r["budget_ratio"], r["task"]): r for d in docs for r in d["results"]}
-    out = dict(docs[0], results=list(results.values()),
+    results = {(r["method"], r["budget_ratio"], r["task"]): dict(r, date=r.get("date", d["date"]))
+               for d in docs for r in d["results"]}  # each result keeps its run's date
+    out = dict(docs[0], results=list(results.values()), date=max(d["date"] for d in docs),
                lychee_retrieval_heads=sorted(set(_flat(d["lychee_retrieval_heads"] for d in docs))),
                calibrated=sorted({c for d in docs for c in d.get("calibrated", [])}),
                merged_from=[p.name for p in paths])
