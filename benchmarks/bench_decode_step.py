@@ -151,8 +151,9 @@ def run_hf(args, shapes, contexts):
         ids = torch.zeros((args.batch, 1), dtype=torch.long, device="cuda")
         pos = torch.tensor([context], device="cuda")
         with torch.no_grad():
-            step = lambda: model(input_ids=ids, past_key_values=cache, cache_position=pos,  # noqa: E731
-                                 use_cache=True)
+            def step(cache=cache, ids=ids, pos=pos):
+                return model(input_ids=ids, past_key_values=cache, cache_position=pos,
+                             use_cache=True)
             for _ in range(3):
                 step()
             torch.cuda.synchronize()

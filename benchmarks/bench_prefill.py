@@ -64,22 +64,9 @@ META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
             floor="causal attention FLOPs 2*T^2*HQ*d at 989 TFLOP/s")
 
 
-class Rows(list):
-    """Rows printed as they come and written (partial) after each, so a run cut short by a
-    time limit still shows and keeps how far it got."""
-
-    def __init__(self, smoke):
-        super().__init__()
-        self.smoke = smoke
-
-    measured: list = []    # every part's rows so far
-
-    def append(self, row):
-        super().append(row)
-        Rows.measured.append(row)
-        print(" ".join(f"{k}={v}" for k, v in row.items() if v is not None), flush=True)
-        if not self.smoke:
-            harness.write_results("prefill", Rows.measured, partial=True, **META)
+def new_rows(smoke):
+    """Rows printed as measured and, on the GPU, written after each (partial results)."""
+    return harness.Rows("prefill", META, write=not smoke)
 
 
 def timer(smoke, calls=5):
@@ -119,7 +106,7 @@ def sweep(cfg, smoke):
     (None keeps the default) -> (the fastest knobs, one row per knob set)."""
     context = cfg["contexts"][0] if smoke else SWEEP_CONTEXT
     q, k, v, table = paged_layer(jax.random.key(0), context, cfg)
-    rows, best = Rows(smoke), None
+    rows, best = new_rows(smoke), None
     for knobs in SWEEP[:2] if smoke else SWEEP:
         tuning = {n: x for n, x in zip(KNOBS, knobs) if x is not None}
         fn = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning))
@@ -233,7 +220,7 @@ def random_model(cfg):
 
 def model_rows(model, cfg, smoke):
     time = timer(smoke, calls=2)  # seconds per call at 128k
-    rows = Rows(smoke)
+    rows = new_rows(smoke)
     config = model.config
     for context in cfg["model_contexts"]:
         ids = jax.random.randint(jax.random.key(1), (1, context), 0, config.vocab_size)
@@ -258,7 +245,7 @@ def model_rows(model, cfg, smoke):
 def correction_rows(model, cfg, smoke):
     """Correcting N tokens once vs the N decode steps it follows (TidalDecode). A batch that
     does not fit is recorded and the next smaller one runs."""
-    rows = Rows(smoke)
+    rows = new_rows(smoke)
     for batch in cfg["correct_batches"]:
         try:
             for row in correction_at(model, cfg, smoke, batch):

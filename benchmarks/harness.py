@@ -184,6 +184,26 @@ def write_results(name: str, rows: list[dict], **meta) -> Path:
     return path
 
 
+class Rows(list):
+    """Rows printed as they come and written (partial) to results/<name>.json after each, so
+    a run cut short by a time limit still shows and keeps how far it got. Every Rows of one
+    name adds to the same file."""
+
+    measured: dict[str, list] = {}
+
+    def __init__(self, name: str, meta: dict | None = None, write: bool = True):
+        super().__init__()
+        self.name, self.meta, self.write = name, meta or {}, write
+
+    def append(self, row):
+        super().append(row)
+        measured = Rows.measured.setdefault(self.name, [])
+        measured.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items() if v is not None), flush=True)
+        if self.write:
+            write_results(self.name, measured, partial=True, **self.meta)
+
+
 def print_table(rows: list[dict], cols=("case", "context", "batch", "ms", "floor_ms", "peer_ms",
                                         "ratio_to_floor", "ratio_to_peer")) -> None:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}

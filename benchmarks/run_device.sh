@@ -3,9 +3,10 @@
 #
 #   bash benchmarks/run_device.sh [STEP ...]
 #   steps: tests (kernel tests natively, --gpu; TESTS= overrides the files), topk, decode, sparse, step (decode step of
-#          the whole model), prefill (prefill attention, sparse prefill, correction), spec (lossless
-#          mode: acceptance and speed on the embedded model, the cost model on DS-Qwen-1.5B shapes,
-#          planned for about 4 minutes on an H200), tp (tensor parallel on every GPU of the host;
+#          the whole model), prefill (prefill attention, sparse prefill, correction), selecting
+#          (selecting layers vs dense at decode: Kascade's Table 3; SELECTING_ARGS= adds flags),
+#          spec (lossless mode: acceptance and speed on the embedded model, the cost model on
+#          DS-Qwen-1.5B shapes, planned for about 4 minutes on an H200), tp (tensor parallel on every GPU of the host;
 #          TP_PARTS= picks parts), fidelity and calibration (benchmarks/fidelity.py's measurements
 #          of the embedded model, below), all (default: tests topk decode sparse step)
 #
@@ -94,6 +95,7 @@ for s in "${steps[@]}"; do
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
     prefill) cmd=($PY benchmarks/bench_prefill.py ${PREFILL_ARGS:-}) ;;
+    selecting) cmd=($PY benchmarks/bench_selecting_layers.py ${SELECTING_ARGS:-}) ;;
     tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling}) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     fidelity) cmd=(fidelity) ;;
