@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.decode_attention import (
-    DecodeAttention, paged_decode_attention, paged_decode_attention_reference)
+    DecodeAttention, default_tuning, paged_decode_attention, paged_decode_attention_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 LSE_ATOL = 1e-4
@@ -330,6 +330,15 @@ def test_lowers_for_cuda(head_dim, page_size, dtype, group, score, masked):
         *a[:5], score=score, kv_heads=a[5] if masked else None, backend="pallas",
         interpret=False), *args)
     assert "triton" in hlo
+
+
+def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
+    """The rule the selecting layers' benchmark measured (B=64, 8 KV heads, D=128 bf16)."""
+    shape = (8, 128, 16, 8192, jnp.bfloat16)
+    plain, scored = default_tuning(64, *shape), default_tuning(64, *shape, scores=True)
+    assert (plain["block_n"], plain["num_stages"]) == (64, 2)
+    assert (scored["block_n"], scored["num_stages"]) == (128, 3)
+    assert default_tuning(4, *shape, scores=True) == default_tuning(4, *shape)  # 32 programs
 
 
 def test_lowers_for_cuda_with_a_cache_over_4gib():
