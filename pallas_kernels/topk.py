@@ -35,6 +35,14 @@ takes each chunk's output offset and share of the ties from the chunks before it
 the lower index, so to the earlier chunks), and writes its kept indices and its share of the
 -1 padding. Nine launches, no atomics; `default_tuning` picks the path.
 
+Sampled path (rows wider than a resident row whose budget fits one twice): T' = the j-th best
+key of every stride-th column, j the budget's share of the sample plus four standard
+deviations; one pass counts the keys >= T' per chunk, a kernel compacts their columns in
+order into a buffer of 2k + CANDIDATE_MARGIN, and the per-row path selects exactly among
+them (ties to the lower candidate are ties to the lower column; forced columns are the first
+and last candidates). Where a row's candidates miss its budget or overflow the buffer, the
+whole call runs the split path instead (`lax.cond`): exact either way.
+
 Budget helpers give k_row per row for LycheeDecode's four budget modes and Kascade's ratio:
   TopK       fixed_budget(k, valid)
   Ratio      ratio_budget(ratio, valid, minimum, maximum): Lychee's sparsity theta is
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import fractions
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -72,8 +81,11 @@ MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nin
 SPLIT_MAX_KEYS = 1 << 22
 SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
+SAMPLE_WIDTH = 8192            # sampled path: columns of the strided sample per row
+CANDIDATE_MARGIN = 2048        # sampled path: candidate buffer = 2k + this many columns
 
-TUNING = ("split", "block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages")
+TUNING = ("split", "block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages",
+          "sample_stride")
 
 
 class Selected(NamedTuple):
@@ -401,6 +413,94 @@ def _topk_split_pallas(scores, valid, k_row, *, k, force_first, force_last, bloc
 
 
 # --------------------------------------------------------------------------------------------
+# Sampled path (wide rows, budgets that fit a resident row twice): a threshold from a strided
+# sample, the columns at or above it compacted in column order, the exact per-row select on
+# those candidates; the split path whenever a row's candidates miss its budget or overflow.
+
+
+def _candidates_kernel(scores_ref,   # [R, N] float32
+                       valid_ref,    # [R] int32
+                       thr_ref,      # [R] int32: order key of the row's threshold
+                       offset_ref,   # [R, C] int32: candidates in the chunks before this one
+                       out_ref,      # [R, W] int32 (out): candidate columns, ascending
+                       *, force_first: int, force_last: int, block_n: int, block_sel: int):
+    num_rows, n = scores_ref.shape
+    width = out_ref.shape[1]
+    rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
+    row_ok = rows < num_rows
+    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
+    thr = plgpu.load(thr_ref.at[rows], mask=row_ok, other=0)
+    start = chunk * block_n
+
+    def keep_tile(i, seen):  # seen [1]: candidates of the row before this tile
+        cols, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel,
+                               block_sel, force_first, force_last)
+        keep = (key != MISSING_KEY) & (key >= thr[:, None])
+        slot = seen[:, None] + jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1
+        keep = keep & (slot < width) & row_ok[:, None]
+        plgpu.store(out_ref.at[rows[:, None], jnp.where(keep, slot, width)],
+                    jnp.broadcast_to(cols, keep.shape), mask=keep)
+        return seen + jnp.sum(keep.astype(jnp.int32), axis=1)
+
+    seen = plgpu.load(offset_ref.at[rows, chunk], mask=row_ok, other=0)
+    lax.fori_loop(0, pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel),
+                  keep_tile, seen)
+
+
+def _sample_threshold(scores, valid, budget, *, stride: int, k: int, interpret: bool):
+    """-> [R] int32: the order key of the j-th best of every `stride`-th column, with j the
+    budget's share of the sample plus four standard deviations of a sample count, so that
+    with high odds at least `budget` keys of the row reach it. An empty pick gives INT32_MAX
+    (only forced columns reach it)."""
+    sample = scores[:, ::stride]
+    share = -(-budget // stride)
+    margin = jnp.ceil(4 * jnp.sqrt(share.astype(jnp.float32))).astype(jnp.int32) + 4
+    j = jnp.minimum(jnp.where(budget > 0, share + margin, 0), -(-valid // stride))
+    width = min(sample.shape[1], -(-k // stride) + math.ceil(4 * math.sqrt(-(-k // stride))) + 4)
+    picked = Selected(*_topk_pallas(sample, -(-valid // stride), j, k=width, force_first=0,
+                                    force_last=0, interpret=interpret,
+                                    **_per_row_tuning(sample.shape[0], sample.shape[1], width)))
+    keys = jnp.take_along_axis(_order_key(sample), jnp.maximum(picked.indices, 0), axis=1)
+    return jnp.min(jnp.where(picked.indices >= 0, keys, FORCED_KEY), axis=1)
+
+
+def _topk_sampled(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
+                  block_n, block_sel, interpret):
+    """-> (Selected, ok [R]): exact wherever ok (the row's candidates hold its budget and fit
+    the candidate buffer); the caller falls back where not."""
+    num_rows, n = scores.shape
+    valid = jnp.clip(valid, 0, n)
+    budget = _budget(valid, jnp.clip(k_row, 0, k), force_first, force_last)
+    thr = _sample_threshold(scores, valid, budget, stride=sample_stride, k=k,
+                            interpret=interpret)
+    cols = jnp.arange(n, dtype=jnp.int32)[None, :]
+    key = jnp.where(_forced_mask(cols, valid[:, None], force_first, force_last), FORCED_KEY,
+                    _order_key(scores))
+    keep = (cols < valid[:, None]) & (key >= thr[:, None])
+    chunks = common.cdiv(n, block_n)
+    per_chunk = jnp.pad(keep, ((0, 0), (0, chunks * block_n - n))).reshape(
+        num_rows, chunks, block_n).sum(axis=2, dtype=jnp.int32)
+    total = per_chunk.sum(axis=1)
+    width = min(n, 2 * k + CANDIDATE_MARGIN)
+    cand = common.pallas_call(
+        functools.partial(_candidates_kernel, force_first=force_first, force_last=force_last,
+                          block_n=block_n, block_sel=block_sel),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.int32),
+        grid=(num_rows, chunks), compiler_params=common.triton_params(4, 1),
+        interpret=interpret, name="topk_select_candidates",
+    )(scores, valid, thr, jnp.cumsum(per_chunk, axis=1) - per_chunk)
+    count = jnp.minimum(total, width)
+    cand = jnp.where(jnp.arange(width)[None, :] < count[:, None], cand, 0)
+    # Forced columns are candidates: the first and last `force_*` of the row's candidates.
+    chosen = Selected(*_topk_pallas(jnp.take_along_axis(scores, cand, axis=1), count, k_row,
+                                    k=k, force_first=force_first, force_last=force_last,
+                                    interpret=interpret, **_per_row_tuning(num_rows, width, k)))
+    indices = jnp.where(chosen.indices >= 0,
+                        jnp.take_along_axis(cand, jnp.maximum(chosen.indices, 0), axis=1), -1)
+    return Selected(indices, chosen.count), (total >= budget) & (total <= width)
+
+
+# --------------------------------------------------------------------------------------------
 # Public function
 
 
@@ -427,9 +527,15 @@ def _check_inputs(scores, k, valid, k_row, force_first, force_last):
 
 
 def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
-                   block_rows: int | None = None, block_n: int | None = None) -> dict:
-    """Static knobs for [num_rows, n] scores and width k; `split`, `block_rows` and `block_n`
-    when given are kept (for sweeps) and the knobs that depend on them follow.
+                   block_rows: int | None = None, block_n: int | None = None,
+                   sample: bool | None = None) -> dict:
+    """Static knobs for [num_rows, n] scores and width k; `split`, `block_rows`, `block_n` and
+    `sample` when given are kept (for sweeps) and the knobs that depend on them follow.
+
+    sample_stride > 0 (sampled path, with the split path's knobs for its fallback): rows
+      wider than RESIDENT_WIDTH (any row wider than SAMPLE_WIDTH with sample=True) whose
+      candidate buffer, 2k + CANDIDATE_MARGIN columns, fits a resident row, unless split or
+      block_rows is given; the stride leaves SAMPLE_WIDTH sampled columns. 0 otherwise.
 
     split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
       bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs and at
@@ -442,11 +548,21 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
       padding slots per program up to 1024, num_warps=4, num_stages=1.
     """
+    n_pow2 = common.next_power_of_2(n)
+    fits = n > SAMPLE_WIDTH and 2 * k + CANDIDATE_MARGIN <= RESIDENT_WIDTH
+    if sample and not fits:
+        raise ValueError(f"sample=True for rows of {n} columns and k={k}: the sampled path "
+                         f"needs rows wider than {SAMPLE_WIDTH} and 2k + {CANDIDATE_MARGIN} <= "
+                         f"{RESIDENT_WIDTH}")
+    if sample is None:
+        sample = split is None and block_rows in (None, 1) and n > RESIDENT_WIDTH and fits
+    if sample:  # the split path's knobs for its fallback (block_n: both paths' chunk width)
+        return dict(default_tuning(num_rows, n, k, split=True, block_n=block_n, sample=False),
+                    sample_stride=n_pow2 // SAMPLE_WIDTH)
     if split is None:
         few_rows = (num_rows < 2 * common.NUM_SMS and n >= MIN_SPLIT_WIDTH
                     and num_rows * n <= SPLIT_MAX_KEYS)
         split = block_rows in (None, 1) and (n > RESIDENT_WIDTH or few_rows)
-    n_pow2 = common.next_power_of_2(n)
     if split:
         per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS)
         block_n = block_n or min(n_pow2, max(1024, common.next_power_of_2(
@@ -455,17 +571,31 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
         return dict(split=True, block_rows=block_rows or 1, block_n=block_n,
                     block_sel=min(block_n, 512),
                     block_k=min(common.next_power_of_2(slots), 1024), num_warps=4,
-                    num_stages=1)
+                    num_stages=1, sample_stride=0)
+    return dict(_per_row_tuning(num_rows, n, k, block_rows=block_rows, block_n=block_n),
+                split=False, sample_stride=0)
+
+
+def _per_row_tuning(num_rows: int, n: int, k: int, block_rows: int | None = None,
+                    block_n: int | None = None) -> dict:
+    n_pow2 = common.next_power_of_2(n)
     block_rows = block_rows or 1
     block_n = block_n or min(n_pow2, RESIDENT_WIDTH)
-    return dict(split=False, block_rows=block_rows, block_n=block_n,
-                block_sel=min(n_pow2, 4096), block_k=min(common.next_power_of_2(k), 1024),
+    return dict(block_rows=block_rows, block_n=block_n, block_sel=min(n_pow2, 4096),
+                block_k=min(common.next_power_of_2(k), 1024),
                 num_warps=max(4, min(16, block_rows * block_n // 2048)), num_stages=1)
 
 
-def _check_tuning(split, block_rows, block_n, block_sel, block_k, num_warps, num_stages):
+def _check_tuning(split, block_rows, block_n, block_sel, block_k, num_warps, num_stages,
+                  sample_stride):
     if not isinstance(split, bool):
         raise ValueError(f"split={split!r}: expected None or a bool")
+    if not isinstance(sample_stride, int) or sample_stride < 0 or (
+            sample_stride & (sample_stride - 1)):
+        raise ValueError(f"sample_stride={sample_stride!r}: expected 0 or a power of 2")
+    if sample_stride and not split:
+        raise ValueError(f"{sample_stride=} with split=False: the sampled path falls back to "
+                         "the split path")
     for name, value in (("block_rows", block_rows), ("block_n", block_n),
                         ("block_sel", block_sel), ("block_k", block_k)):
         if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -492,10 +622,17 @@ def _topk_reference_jit(scores, valid, k_row, *, k, force_first, force_last):
 @functools.partial(jax.jit, static_argnames=("k", "force_first", "force_last", "interpret",
                                              *TUNING))
 def _topk_pallas_jit(scores, valid, k_row, *, k, force_first, force_last, interpret, split,
-                     block_rows, block_n, block_sel, block_k, num_warps, num_stages):
+                     block_rows, block_n, block_sel, block_k, num_warps, num_stages,
+                     sample_stride):
     kw = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
               block_sel=block_sel, block_k=block_k, num_warps=num_warps,
               num_stages=num_stages, interpret=interpret)
+    if sample_stride:
+        fast, ok = _topk_sampled(scores, valid, k_row, k=k, force_first=force_first,
+                                 force_last=force_last, sample_stride=sample_stride,
+                                 block_n=block_n, block_sel=block_sel, interpret=interpret)
+        return lax.cond(jnp.all(ok), lambda: fast,
+                        lambda: Selected(*_topk_split_pallas(scores, valid, k_row, **kw)))
     if split:
         return Selected(*_topk_split_pallas(scores, valid, k_row, **kw))
     return Selected(*_topk_pallas(scores, valid, k_row, block_rows=block_rows, **kw))
@@ -506,7 +643,7 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
                 split: bool | None = None, block_rows: int | None = None,
                 block_n: int | None = None, block_sel: int | None = None,
                 block_k: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None) -> Selected:
+                num_stages: int | None = None, sample: bool | None = None) -> Selected:
     """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
 
     scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
@@ -519,13 +656,16 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
             knobs (the path: split rows across programs or not; rows per program; the
             resident row width or the columns per program; the scan step; the padding step;
             Triton's); None takes `default_tuning`'s. Validated on every backend.
+    sample  static: the sampled path (True: rows wider than SAMPLE_WIDTH whose k fits it, a
+            ValueError otherwise; False: never); None takes `default_tuning`'s choice.
     Returns Selected(indices [R, k] int32, count [R] int32) with
     count = min(valid, max(k_row, min(valid, force_first + force_last))).
     """
     _check_inputs(scores, k, valid, k_row, force_first, force_last)
     backend = common.resolve_backend(backend)
     num_rows, n = scores.shape
-    tuning = default_tuning(num_rows, n, k, split=split, block_rows=block_rows, block_n=block_n)
+    tuning = default_tuning(num_rows, n, k, split=split, block_rows=block_rows, block_n=block_n,
+                            sample=sample)
     given = dict(split=split, block_rows=block_rows, block_n=block_n, block_sel=block_sel,
                  block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     tuning.update({name: value for name, value in given.items() if value is not None})

@@ -286,9 +286,10 @@ def test_split_at_131072_columns(interpret, num_rows, k):
         scores[3] = rng.choice(np.float32([0.0, 0.5, 1.0]), n)   # few distinct values
         valid[4:] = [n - 1, 70001, 3000, 0]
         k_row[5:] = [k // 3, k, 17]
-    assert topk.default_tuning(num_rows, n, k)["split"]
+    assert topk.default_tuning(num_rows, n, k, sample=False)["split"]
     kw = dict(valid=valid, k_row=k_row, force_first=4, force_last=64)
-    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret, **kw)
+    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret,
+                           sample=False, **kw)
     ref = topk.topk_select_reference(jnp.asarray(scores), k, **kw)
     assert_selected(out, (np.asarray(ref.indices), np.asarray(ref.count)))
     assert np.all(np.asarray(out.count)[:4] == k)  # full rows: the budget binds
@@ -337,9 +338,15 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
 def test_default_tuning_paths():
     """The rule: split rows wider than the resident width, or few rows of >= 4096 columns
     and at most 2**22 keys."""
-    assert topk.default_tuning(8, 131072, 13107) == dict(
+    assert topk.default_tuning(8, 131072, 13107, sample=False) == dict(
         split=True, block_rows=1, block_n=2048, block_sel=512, block_k=256, num_warps=4,
-        num_stages=1)
+        num_stages=1, sample_stride=0)
+    # wide rows whose candidates fit a resident row: sampled, the split knobs as fallback
+    assert topk.default_tuning(8, 131072, 13107) == dict(
+        topk.default_tuning(8, 131072, 13107, sample=False), sample_stride=16)
+    assert topk.default_tuning(256, 524288, 13107)["sample_stride"] == 64
+    assert topk.default_tuning(8, 131072, 26214)["sample_stride"] == 0  # 2k + 2048 > 32768
+    assert topk.default_tuning(8, 131072, 13107, split=True)["sample_stride"] == 0
     assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
     assert topk.default_tuning(512, 131072, 13107)["split"]
     assert topk.default_tuning(64, 8192, 64)["split"]
@@ -350,6 +357,62 @@ def test_default_tuning_paths():
     assert not topk.default_tuning(2, 2048, 64)["split"]
     assert not topk.default_tuning(8, 131072, 13107, block_rows=2)["split"]
     assert topk.default_tuning(1, 1 << 23, 4096)["block_n"] == 32768  # at most 256 chunks
+
+
+# --------------------------------------------------------------------------------------------
+# Sampled path: small rows with a small sample width (distinct shapes per setting: the jit
+# cache keys on shapes and knobs, not on the module constants)
+
+
+@pytest.fixture
+def small_sample(monkeypatch):
+    monkeypatch.setattr(topk, "SAMPLE_WIDTH", 256)  # rows of 1024: every 4th column
+
+
+def sampled_fast_path(scores, k, valid, k_row, force_first, force_last, interpret):
+    """The sampled path's own answer and which rows it vouches for (no fallback)."""
+    tuning = topk.default_tuning(*scores.shape, k, sample=True)
+    return topk._topk_sampled(jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(k_row), k=k,
+                              force_first=force_first, force_last=force_last,
+                              sample_stride=tuning["sample_stride"], block_n=256, block_sel=64,
+                              interpret=interpret)
+
+
+@pytest.mark.parametrize("kind", sorted(VALUE_SETS))
+def test_sampled_matches_numpy(interpret, small_sample, kind):
+    scores = make_scores(11, 4, 1024, kind)
+    valid = np.array([1024, 1000, 517, 3], np.int32)
+    k_row = np.array([100, 37, 100, 2], np.int32)
+    run_all(scores, 100, valid, k_row, 2, 3, [dict(sample=True, block_n=256, block_sel=64)],
+            interpret=interpret)
+    if kind == "normal":  # no fallback needed on plain random rows
+        _, ok = sampled_fast_path(scores, 100, valid, k_row, 2, 3, interpret)
+        assert np.all(np.asarray(ok))
+
+
+def test_sampled_falls_back_where_the_sample_misleads(interpret, small_sample, monkeypatch):
+    """Row 0: all ties, so every column reaches the threshold and overflows 2k candidates.
+    Row 1: the best scores sit exactly on the sampled columns, so too few reach it. Row 2:
+    random. The rows the fast path does not vouch for are wrong without the fallback (the
+    negative control), and topk_select's answer is exact."""
+    monkeypatch.setattr(topk, "CANDIDATE_MARGIN", 0)
+    rng = np.random.default_rng(3)
+    scores = rng.standard_normal((3, 1008)).astype(np.float32)
+    scores[0] = 0.5
+    scores[1, ::4] += 100.0
+    valid, k_row = np.full(3, 1008, np.int32), np.full(3, 200, np.int32)
+    fast, ok = sampled_fast_path(scores, 200, valid, k_row, 0, 0, interpret)
+    np.testing.assert_array_equal(np.asarray(ok), [False, False, True])
+    want = numpy_topk(scores, 200, valid, k_row)
+    assert not np.array_equal(np.asarray(fast.indices)[1], want[0][1])
+    np.testing.assert_array_equal(np.asarray(fast.indices)[2], want[0][2])
+    run_all(scores, 200, valid, k_row, 0, 0, [dict(sample=True, block_n=256, block_sel=64)],
+            interpret=interpret)
+
+
+def test_sampled_refuses_rows_it_cannot_serve():
+    with pytest.raises(ValueError, match="sample=True for rows of 4096 columns and k=16000"):
+        topk.default_tuning(4, 4096, 16000, sample=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -450,8 +513,12 @@ def triton_modules(monkeypatch):
     (512, 131072, 13107, dict(split=False), 1),              # streamed row
     (64, 8192, 64, dict(block_rows=2), 1),
     (7, 1000, 50, dict(block_n=256, num_warps=4), 1),         # ragged N, streamed
-    (8, 131072, 13107, {}, 2),                               # split: radix pass, compaction
-    (1, 131072, 4096, {}, 2),
+    (8, 131072, 13107, dict(sample=False), 2),               # split: radix pass, compaction
+    (1, 131072, 4096, dict(sample=False), 2),
+    # sampled: the sample's and the candidates' per-row selects, the compaction, and the
+    # split path's two kernels for its fallback
+    (8, 131072, 13107, {}, 5),
+    (256, 524288, 13107, {}, 5),
     (3, 1000, 50, dict(split=True, block_n=256, block_sel=128), 2),  # split, ragged N
 ])
 def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
