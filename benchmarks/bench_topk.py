@@ -24,19 +24,19 @@ import numpy as np
 import harness
 from sparsejax.pallas_kernels import topk
 
-PER_ROW, SPLIT, UNSAMPLED = dict(split=False), dict(split=True), dict(sample=False)
+PER_ROW, SPLIT, SAMPLED = dict(split=False), dict(split=True), dict(sample=True)
 # (case, rows, N, k, target_ms, forced, sweep): forced = force_first=4, force_last=64 (k/2 at
 # most) and a per-row k_row in [k/2, k]; sweep = tuning tried besides the default. Rows are
 # batch x selection groups; N is tokens, or pages of 16 for DELTA and Quest.
 CASES = [
     ("1x131072 k=13107 (B=1, 1 group, 128k)", 1, 131072, 13107, None, False,
-     [UNSAMPLED, PER_ROW, dict(block_n=2048), dict(block_n=4096, block_sel=1024)]),
+     [SAMPLED, PER_ROW, dict(block_n=2048), dict(block_n=4096, block_sel=1024)]),
     ("8x131072 k=4096 (B=1, 8 KV heads, 128k, TopK 4096)", 8, 131072, 4096, None, False,
-     [UNSAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096)]),
+     [SAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096)]),
     ("8x131072 k=13107 (B=1, 8 KV heads, 128k, 10%)", 8, 131072, 13107, 0.08, False,
-     [UNSAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096), dict(block_sel=256),
+     [SAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096), dict(block_sel=256),
       dict(block_sel=1024, num_warps=8), dict(num_stages=2), dict(num_warps=2)]),
-    ("8x131072 k=13107 forced+k_row", 8, 131072, 13107, None, True, [UNSAMPLED]),
+    ("8x131072 k=13107 forced+k_row", 8, 131072, 13107, None, True, [SAMPLED]),
     ("8x32768 k=3276 (B=1, 8 KV heads, 32k)", 8, 32768, 3276, None, False,
      [PER_ROW, dict(block_n=1024)]),
     ("2x8192 k=64 (DELTA pages, B=2, 128k)", 2, 8192, 64, None, False, [PER_ROW]),
@@ -46,11 +46,11 @@ CASES = [
      [SPLIT, dict(num_warps=8), dict(block_sel=8192)]),
     ("512x32768 k=3276 forced+k_row", 512, 32768, 3276, None, True, []),
     ("512x131072 k=13107", 512, 131072, 13107, None, False,
-     [UNSAMPLED, PER_ROW, dict(block_n=8192), dict(block_n=16384, block_sel=1024, num_warps=8)]),
+     [SAMPLED, PER_ROW, dict(block_n=8192), dict(block_n=16384, block_sel=1024, num_warps=8)]),
     ("2048x131072 k=13107 (B=64, 32 query heads, TidalDecode)", 2048, 131072, 13107, None,
-     False, [UNSAMPLED]),
+     False, [SAMPLED]),
     ("256x524288 k=13107 (B=32, 8 KV heads, 512k, TopK)", 256, 524288, 13107, None, False,
-     [UNSAMPLED]),
+     [SAMPLED]),
     ("512x2048 k=64", 512, 2048, 64, 0.05, False,
      [SPLIT, dict(num_warps=8), dict(block_rows=4, num_warps=8)]),
 ]
@@ -123,9 +123,7 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
     floor = harness.floor_ms(num_rows * n * 4 + num_rows * k * 4)
     row = harness.row(case, context=n, batch=num_rows, ms=default_ms, floor=floor,
                       peer="lax.top_k", peer_ms=peer_ms, k=k,
-                      split=topk.default_tuning(num_rows, n, k)["split"],
-                      sampled=topk.default_tuning(num_rows, n, k)["sample_stride"] > 0,
-                      target_ms=target,
+                      split=topk.default_tuning(num_rows, n, k)["split"], target_ms=target,
                       meets_target=None if target is None else default_ms <= target,
                       meets_ratio=default_ms <= MAX_RATIO_TO_PEER * peer_ms,
                       best_ms=best["ms"], best_tuning=best["tuning"],

@@ -35,8 +35,8 @@ takes each chunk's output offset and share of the ties from the chunks before it
 the lower index, so to the earlier chunks), and writes its kept indices and its share of the
 -1 padding. Nine launches, no atomics; `default_tuning` picks the path.
 
-Sampled path (rows wider than a resident row whose budget fits one twice): T' = the j-th best
-key of every stride-th column, j the budget's share of the sample plus four standard
+Sampled path (opt-in, `sample=True`; rows whose budget fits a resident row twice): T' = the
+j-th best key of every stride-th column, j the budget's share of the sample plus four standard
 deviations; one pass counts the keys >= T' per chunk, a kernel compacts their columns in
 order into a buffer of 2k + CANDIDATE_MARGIN, and the per-row path selects exactly among
 them (ties to the lower candidate are ties to the lower column; forced columns are the first
@@ -528,14 +528,14 @@ def _check_inputs(scores, k, valid, k_row, force_first, force_last):
 
 def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
                    block_rows: int | None = None, block_n: int | None = None,
-                   sample: bool | None = None) -> dict:
+                   sample: bool = False) -> dict:
     """Static knobs for [num_rows, n] scores and width k; `split`, `block_rows`, `block_n` and
     `sample` when given are kept (for sweeps) and the knobs that depend on them follow.
 
-    sample_stride > 0 (sampled path, with the split path's knobs for its fallback): rows
-      wider than RESIDENT_WIDTH (any row wider than SAMPLE_WIDTH with sample=True) whose
-      candidate buffer, 2k + CANDIDATE_MARGIN columns, fits a resident row, unless split or
-      block_rows is given; the stride leaves SAMPLE_WIDTH sampled columns. 0 otherwise.
+    sample_stride > 0 (the sampled path, opted into with sample=True, with the split path's
+      knobs for its fallback): rows wider than SAMPLE_WIDTH whose candidate buffer, 2k +
+      CANDIDATE_MARGIN columns, fits a resident row; the stride leaves SAMPLE_WIDTH sampled
+      columns. 0 otherwise.
 
     split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
       bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs and at
@@ -554,8 +554,6 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
         raise ValueError(f"sample=True for rows of {n} columns and k={k}: the sampled path "
                          f"needs rows wider than {SAMPLE_WIDTH} and 2k + {CANDIDATE_MARGIN} <= "
                          f"{RESIDENT_WIDTH}")
-    if sample is None:
-        sample = split is None and block_rows in (None, 1) and n > RESIDENT_WIDTH and fits
     if sample:  # the split path's knobs for its fallback (block_n: both paths' chunk width)
         return dict(default_tuning(num_rows, n, k, split=True, block_n=block_n, sample=False),
                     sample_stride=n_pow2 // SAMPLE_WIDTH)
@@ -643,7 +641,7 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
                 split: bool | None = None, block_rows: int | None = None,
                 block_n: int | None = None, block_sel: int | None = None,
                 block_k: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, sample: bool | None = None) -> Selected:
+                num_stages: int | None = None, sample: bool = False) -> Selected:
     """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
 
     scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
@@ -656,8 +654,8 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
             knobs (the path: split rows across programs or not; rows per program; the
             resident row width or the columns per program; the scan step; the padding step;
             Triton's); None takes `default_tuning`'s. Validated on every backend.
-    sample  static: the sampled path (True: rows wider than SAMPLE_WIDTH whose k fits it, a
-            ValueError otherwise; False: never); None takes `default_tuning`'s choice.
+    sample  static: the sampled path (rows wider than SAMPLE_WIDTH whose k fits it, a
+            ValueError otherwise); off by default.
     Returns Selected(indices [R, k] int32, count [R] int32) with
     count = min(valid, max(k_row, min(valid, force_first + force_last))).
     """

@@ -286,10 +286,9 @@ def test_split_at_131072_columns(interpret, num_rows, k):
         scores[3] = rng.choice(np.float32([0.0, 0.5, 1.0]), n)   # few distinct values
         valid[4:] = [n - 1, 70001, 3000, 0]
         k_row[5:] = [k // 3, k, 17]
-    assert topk.default_tuning(num_rows, n, k, sample=False)["split"]
+    assert topk.default_tuning(num_rows, n, k)["split"]
     kw = dict(valid=valid, k_row=k_row, force_first=4, force_last=64)
-    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret,
-                           sample=False, **kw)
+    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret, **kw)
     ref = topk.topk_select_reference(jnp.asarray(scores), k, **kw)
     assert_selected(out, (np.asarray(ref.indices), np.asarray(ref.count)))
     assert np.all(np.asarray(out.count)[:4] == k)  # full rows: the budget binds
@@ -338,15 +337,13 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
 def test_default_tuning_paths():
     """The rule: split rows wider than the resident width, or few rows of >= 4096 columns
     and at most 2**22 keys."""
-    assert topk.default_tuning(8, 131072, 13107, sample=False) == dict(
+    assert topk.default_tuning(8, 131072, 13107) == dict(
         split=True, block_rows=1, block_n=2048, block_sel=512, block_k=256, num_warps=4,
         num_stages=1, sample_stride=0)
-    # wide rows whose candidates fit a resident row: sampled, the split knobs as fallback
-    assert topk.default_tuning(8, 131072, 13107) == dict(
-        topk.default_tuning(8, 131072, 13107, sample=False), sample_stride=16)
-    assert topk.default_tuning(256, 524288, 13107)["sample_stride"] == 64
-    assert topk.default_tuning(8, 131072, 26214)["sample_stride"] == 0  # 2k + 2048 > 32768
-    assert topk.default_tuning(8, 131072, 13107, split=True)["sample_stride"] == 0
+    # sampled (opt-in): the split knobs for its fallback, a stride leaving 8192 columns
+    assert topk.default_tuning(8, 131072, 13107, sample=True) == dict(
+        topk.default_tuning(8, 131072, 13107), sample_stride=16)
+    assert topk.default_tuning(256, 524288, 13107, sample=True)["sample_stride"] == 64
     assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
     assert topk.default_tuning(512, 131072, 13107)["split"]
     assert topk.default_tuning(64, 8192, 64)["split"]
@@ -412,7 +409,7 @@ def test_sampled_falls_back_where_the_sample_misleads(interpret, small_sample, m
 
 def test_sampled_refuses_rows_it_cannot_serve():
     with pytest.raises(ValueError, match="sample=True for rows of 4096 columns and k=16000"):
-        topk.default_tuning(4, 4096, 16000, sample=True)
+        topk.topk_select(jnp.zeros((4, 4096)), 16000, valid=np.full(4, 4096), sample=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -513,12 +510,12 @@ def triton_modules(monkeypatch):
     (512, 131072, 13107, dict(split=False), 1),              # streamed row
     (64, 8192, 64, dict(block_rows=2), 1),
     (7, 1000, 50, dict(block_n=256, num_warps=4), 1),         # ragged N, streamed
-    (8, 131072, 13107, dict(sample=False), 2),               # split: radix pass, compaction
-    (1, 131072, 4096, dict(sample=False), 2),
+    (8, 131072, 13107, {}, 2),                               # split: radix pass, compaction
+    (1, 131072, 4096, {}, 2),
     # sampled: the sample's and the candidates' per-row selects, the compaction, and the
     # split path's two kernels for its fallback
-    (8, 131072, 13107, {}, 5),
-    (256, 524288, 13107, {}, 5),
+    (8, 131072, 13107, dict(sample=True), 5),
+    (256, 524288, 13107, dict(sample=True), 5),
     (3, 1000, 50, dict(split=True, block_n=256, block_sel=128), 2),  # split, ragged N
 ])
 def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
