@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import harness  # noqa: E402
+from shapes import MODELS  # noqa: E402
 
 import sparsejax  # noqa: E402
 from sparsejax import cache as kv  # noqa: E402
@@ -41,9 +42,7 @@ from sparsejax.plan import as_plan  # noqa: E402
 from sparsejax.selection import select_tiles  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
-LLAMA_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
-                num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
-                rope_theta=500000.0, max_position_embeddings=131072)
+LLAMA_8B = MODELS["llama-8b"]
 FULL = dict(config=LLAMA_8B, page_size=16, chunk=8192, tile=128,
             contexts=(8192, 16384, 32768, 65536, 131072), model_contexts=(32768, 131072),
             correct_context=32768, correct_batches=(16, 8), correct_every=32)

@@ -29,10 +29,11 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
+from bench_decode_attention import make_contiguous, make_paged  # noqa: E402
+from shapes import MODELS  # noqa: E402
 
 from sparsejax import methods as M  # noqa: E402
 from sparsejax.models import ModelConfig  # noqa: E402
@@ -40,9 +41,7 @@ from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_atten
 from sparsejax.plan import as_plan  # noqa: E402
 from sparsejax.selection import kernel_score, select  # noqa: E402
 
-DTYPE = jnp.bfloat16
-LAYER = dict(model_type="llama", vocab_size=128256, hidden_size=4096, num_layers=32,
-             num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336)
+LAYER = MODELS["llama-8b"]
 FULL = dict(layer=LAYER, page_size=16, batch=64, contexts=(8192, 16384, 32768, 65536, 131072),
             ratios=(0.1, 0.2), long=(32, 524288))
 SMOKE = dict(layer=dict(LAYER, hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=64),
@@ -79,28 +78,22 @@ def timer(smoke):
     return functools.partial(harness.device_time_ms, calls=10, warmup=2)
 
 
-def cudnn_ms(cfg, config, batch, context, smoke):
+def kernel_shape(config, batch, page_size):
+    """The shape dict bench_decode_attention's input builders take (a hashable jit key)."""
+    return tuple(sorted(dict(batch=batch, q_heads=config.num_heads,
+                             kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                             page_size=page_size).items()))
+
+
+def cudnn_ms(shape, context, smoke):
     """cuDNN on contiguous K/V, built and freed before the paged cache exists (512k fits)."""
-    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
-    shape = (batch, context, config.num_kv_heads, config.head_dim)
-    q = jax.random.normal(kq, (batch, 1, config.num_heads, config.head_dim), DTYPE)
-    k, v = jax.random.normal(kk, shape, DTYPE), jax.random.normal(kv, shape, DTYPE)
+    q, k, v = make_contiguous(jax.random.key(1), shape, context)
     fn = jax.jit(functools.partial(jax.nn.dot_product_attention,
                                    implementation="xla" if smoke else "cudnn"))
     ms = timer(smoke)(fn, q, k, v)
     del q, k, v
     gc.collect()
     return ms
-
-
-def paged(config, batch, context, page_size):
-    kq, kk, kv, kp = jax.random.split(jax.random.key(2), 4)
-    pages = batch * context // page_size
-    shape = (pages, config.num_kv_heads, page_size, config.head_dim)
-    q = jax.random.normal(kq, (batch, config.num_heads, config.head_dim), DTYPE)
-    table = jax.random.permutation(kp, pages).astype(jnp.int32).reshape(batch, -1)
-    return (q, jax.random.normal(kk, shape, DTYPE), jax.random.normal(kv, shape, DTYPE), table,
-            jnp.full((batch,), context, jnp.int32))
 
 
 def scores_of(q, k, v, table, lengths, *, plan):
@@ -125,11 +118,12 @@ def reuse_layer(q, k, v, table, lengths, indices, count, *, unit):
 def context_rows(cfg, rows, batch, context, smoke):
     config = ModelConfig(**cfg["layer"])
     time = timer(smoke)
-    peer = cudnn_ms(cfg, config, batch, context, smoke)
+    shape = kernel_shape(config, batch, cfg["page_size"])
+    peer = cudnn_ms(shape, context, smoke)
     row = functools.partial(harness.row, context=context, batch=batch, peer="cudnn",
                             peer_ms=peer)
     rows.append(row("cudnn", ms=peer))
-    args = paged(config, batch, context, cfg["page_size"])
+    args = make_paged(jax.random.key(2), shape, context)
     capacity = args[3].shape[1] * cfg["page_size"]
     dense = time(jax.jit(paged_decode_attention), *args)
     rows.append(row("dense", ms=dense, ratio_to_dense=1.0))
