@@ -466,8 +466,9 @@ def _sample_threshold(scores, valid, budget, *, stride: int, k: int, interpret: 
 
 def _topk_sampled(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
                   block_n, block_sel, interpret):
-    """-> (Selected, ok [R]): exact wherever ok (the row's candidates hold its budget and fit
-    the candidate buffer); the caller falls back where not."""
+    """-> (ok [R], select): ok where the row's candidates hold its budget and fit the
+    candidate buffer; select() compacts them and selects, exact on the ok rows. The caller
+    runs select only when every row is ok (a `lax.cond` branch), the split path otherwise."""
     num_rows, n = scores.shape
     valid = jnp.clip(valid, 0, n)
     budget = _budget(valid, jnp.clip(k_row, 0, k), force_first, force_last)
@@ -482,22 +483,27 @@ def _topk_sampled(scores, valid, k_row, *, k, force_first, force_last, sample_st
         num_rows, chunks, block_n).sum(axis=2, dtype=jnp.int32)
     total = per_chunk.sum(axis=1)
     width = min(n, 2 * k + CANDIDATE_MARGIN)
-    cand = common.pallas_call(
-        functools.partial(_candidates_kernel, force_first=force_first, force_last=force_last,
-                          block_n=block_n, block_sel=block_sel),
-        out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.int32),
-        grid=(num_rows, chunks), compiler_params=common.triton_params(4, 1),
-        interpret=interpret, name="topk_select_candidates",
-    )(scores, valid, thr, jnp.cumsum(per_chunk, axis=1) - per_chunk)
-    count = jnp.minimum(total, width)
-    cand = jnp.where(jnp.arange(width)[None, :] < count[:, None], cand, 0)
-    # Forced columns are candidates: the first and last `force_*` of the row's candidates.
-    chosen = Selected(*_topk_pallas(jnp.take_along_axis(scores, cand, axis=1), count, k_row,
-                                    k=k, force_first=force_first, force_last=force_last,
-                                    interpret=interpret, **_per_row_tuning(num_rows, width, k)))
-    indices = jnp.where(chosen.indices >= 0,
-                        jnp.take_along_axis(cand, jnp.maximum(chosen.indices, 0), axis=1), -1)
-    return Selected(indices, chosen.count), (total >= budget) & (total <= width)
+
+    def select():
+        cand = common.pallas_call(
+            functools.partial(_candidates_kernel, force_first=force_first,
+                              force_last=force_last, block_n=block_n, block_sel=block_sel),
+            out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.int32),
+            grid=(num_rows, chunks), compiler_params=common.triton_params(4, 1),
+            interpret=interpret, name="topk_select_candidates",
+        )(scores, valid, thr, jnp.cumsum(per_chunk, axis=1) - per_chunk)
+        count = jnp.minimum(total, width)
+        cand = jnp.where(jnp.arange(width)[None, :] < count[:, None], cand, 0)
+        # Forced columns are candidates: the first and last `force_*` of the row's candidates.
+        chosen = Selected(*_topk_pallas(
+            jnp.take_along_axis(scores, cand, axis=1), count, k_row, k=k,
+            force_first=force_first, force_last=force_last, interpret=interpret,
+            **_per_row_tuning(num_rows, width, k)))
+        indices = jnp.where(chosen.indices >= 0,
+                            jnp.take_along_axis(cand, jnp.maximum(chosen.indices, 0), axis=1),
+                            -1)
+        return Selected(indices, chosen.count)
+    return (total >= budget) & (total <= width), select
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,10 +632,10 @@ def _topk_pallas_jit(scores, valid, k_row, *, k, force_first, force_last, interp
               block_sel=block_sel, block_k=block_k, num_warps=num_warps,
               num_stages=num_stages, interpret=interpret)
     if sample_stride:
-        fast, ok = _topk_sampled(scores, valid, k_row, k=k, force_first=force_first,
-                                 force_last=force_last, sample_stride=sample_stride,
-                                 block_n=block_n, block_sel=block_sel, interpret=interpret)
-        return lax.cond(jnp.all(ok), lambda: fast,
+        ok, select = _topk_sampled(scores, valid, k_row, k=k, force_first=force_first,
+                                   force_last=force_last, sample_stride=sample_stride,
+                                   block_n=block_n, block_sel=block_sel, interpret=interpret)
+        return lax.cond(jnp.all(ok), select,
                         lambda: Selected(*_topk_split_pallas(scores, valid, k_row, **kw)))
     if split:
         return Selected(*_topk_split_pallas(scores, valid, k_row, **kw))

@@ -369,10 +369,11 @@ def small_sample(monkeypatch):
 def sampled_fast_path(scores, k, valid, k_row, force_first, force_last, interpret):
     """The sampled path's own answer and which rows it vouches for (no fallback)."""
     tuning = topk.default_tuning(*scores.shape, k, sample=True)
-    return topk._topk_sampled(jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(k_row), k=k,
-                              force_first=force_first, force_last=force_last,
-                              sample_stride=tuning["sample_stride"], block_n=256, block_sel=64,
-                              interpret=interpret)
+    ok, select = topk._topk_sampled(
+        jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(k_row), k=k,
+        force_first=force_first, force_last=force_last, sample_stride=tuning["sample_stride"],
+        block_n=256, block_sel=64, interpret=interpret)
+    return select(), ok
 
 
 @pytest.mark.parametrize("kind", sorted(VALUE_SETS))
