@@ -700,6 +700,9 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       16384 columns, the whole row if shorter) and at most MAX_CHUNKS chunks per row;
       block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
       padding slots per program up to 1024, num_warps=4, num_stages=1.
+    Sampled path: the split path's knobs, for its count and compaction over the same chunks
+      and for its fallback; the sample's search and the candidates' select take the per-row
+      rule for rows of the sample's width and of the capacity.
     """
     if split is None:
         few_rows = (num_rows < 2 * common.NUM_SMS and n >= MIN_SPLIT_WIDTH
