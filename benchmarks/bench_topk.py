@@ -1,4 +1,5 @@
-"""topk_select (Pallas: per-row radix select or rows split across programs) vs lax.top_k.
+"""topk_select (Pallas: per-row radix select, rows split across programs, or a sampled
+threshold's candidates) vs lax.top_k.
 
     python benchmarks/bench_topk.py          # GPU: exactness, timings, sweep -> results/topk.json
     python benchmarks/bench_topk.py --matrix # GPU: every selection shape of the decode matrix,
@@ -8,8 +9,11 @@
 Every configuration is first checked for exact equality with `topk_select_reference` (indices
 and counts); any difference aborts the run. Times are GPU time per call from the profiler
 (`harness.device_time_ms`), lax.top_k's likewise. `ms` is the default configuration (its path
-in `split`), `best_ms` the fastest one the sweep found; every configuration tried is listed
-under "sweep". Targets: <= 0.08 ms at [8, 131072], k=13107, and <= 0.5x lax.top_k everywhere.
+in `path`: per_row, split or sampled), `best_ms` the fastest one the sweep found, `split_ms`
+and `sampled_ms` the fastest of each of those paths; every configuration tried is listed
+under "sweep" with its path. Configurations that only choose the path are timed whatever the
+sweep's time budget. Targets: <= 0.08 ms at [8, 131072], k=13107, and <= 0.5x lax.top_k
+everywhere.
 """
 from __future__ import annotations
 
@@ -24,19 +28,26 @@ import numpy as np
 import harness
 from sparsejax.pallas_kernels import topk
 
-PER_ROW, SPLIT, SAMPLED = dict(split=False), dict(split=True), dict(sample=True)
+PER_ROW, SPLIT = dict(split=False), dict(split=True)
+SPLIT_ONLY = dict(split=True, sample_stride=0)  # the split path without the sampled front
+PATH_KNOBS = {"split", "sample_stride"}
 # (case, rows, N, k, target_ms, forced, sweep): forced = force_first=4, force_last=64 (k/2 at
 # most) and a per-row k_row in [k/2, k]; sweep = tuning tried besides the default. Rows are
 # batch x selection groups; N is tokens, or pages of 16 for DELTA and Quest.
 CASES = [
     ("1x131072 k=13107 (B=1, 1 group, 128k)", 1, 131072, 13107, None, False,
-     [SAMPLED, PER_ROW, dict(block_n=2048), dict(block_n=4096, block_sel=1024)]),
+     [SPLIT_ONLY, PER_ROW, dict(block_n=2048), dict(block_n=4096, block_sel=1024)]),
+    ("2x131072 k=13107 (B=2, 1 group, 128k)", 2, 131072, 13107, None, False,
+     [SPLIT_ONLY, dict(sample_stride=16)]),
+    ("4x131072 k=13107 (B=4, 1 group, 128k)", 4, 131072, 13107, None, False,
+     [SPLIT_ONLY, dict(sample_stride=16)]),
     ("8x131072 k=4096 (B=1, 8 KV heads, 128k, TopK 4096)", 8, 131072, 4096, None, False,
-     [SAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096)]),
+     [SPLIT_ONLY, PER_ROW, dict(block_n=1024), dict(block_n=4096)]),
     ("8x131072 k=13107 (B=1, 8 KV heads, 128k, 10%)", 8, 131072, 13107, 0.08, False,
-     [SAMPLED, PER_ROW, dict(block_n=1024), dict(block_n=4096), dict(block_sel=256),
-      dict(block_sel=1024, num_warps=8), dict(num_stages=2), dict(num_warps=2)]),
-    ("8x131072 k=13107 forced+k_row", 8, 131072, 13107, None, True, [SAMPLED]),
+     [SPLIT_ONLY, PER_ROW, dict(block_n=1024), dict(block_n=4096), dict(block_sel=256),
+      dict(block_sel=1024, num_warps=8), dict(num_stages=2), dict(num_warps=2),
+      dict(SPLIT_ONLY, block_n=1024), dict(SPLIT_ONLY, block_n=4096)]),
+    ("8x131072 k=13107 forced+k_row", 8, 131072, 13107, None, True, [SPLIT_ONLY]),
     ("8x32768 k=3276 (B=1, 8 KV heads, 32k)", 8, 32768, 3276, None, False,
      [PER_ROW, dict(block_n=1024)]),
     ("2x8192 k=64 (DELTA pages, B=2, 128k)", 2, 8192, 64, None, False, [PER_ROW]),
@@ -45,12 +56,15 @@ CASES = [
     ("512x32768 k=3276", 512, 32768, 3276, 0.30, False,
      [SPLIT, dict(num_warps=8), dict(block_sel=8192)]),
     ("512x32768 k=3276 forced+k_row", 512, 32768, 3276, None, True, []),
-    ("512x131072 k=13107", 512, 131072, 13107, None, False,
-     [SAMPLED, PER_ROW, dict(block_n=8192), dict(block_n=16384, block_sel=1024, num_warps=8)]),
-    ("2048x131072 k=13107 (B=64, 32 query heads, TidalDecode)", 2048, 131072, 13107, None,
-     False, [SAMPLED]),
+    ("512x131072 k=13107 (B=64, 8 KV heads, 128k, 10%)", 512, 131072, 13107, None, False,
+     [SPLIT_ONLY, PER_ROW, dict(block_n=8192), dict(block_n=16384, block_sel=1024, num_warps=8),
+      dict(SPLIT_ONLY, block_n=8192)]),
+    ("512x65536 k=6553 (B=64, 8 KV heads, 64k, 10%)", 512, 65536, 6553, None, False,
+     [SPLIT_ONLY, PER_ROW, dict(block_n=8192)]),
+    ("2048x131072 k=13107 (B=64, 32 query heads, 128k, TidalDecode)", 2048, 131072, 13107,
+     None, False, [SPLIT_ONLY]),
     ("256x524288 k=13107 (B=32, 8 KV heads, 512k, TopK)", 256, 524288, 13107, None, False,
-     [SAMPLED]),
+     [SPLIT_ONLY]),
     ("512x2048 k=64", 512, 2048, 64, 0.05, False,
      [SPLIT, dict(num_warps=8), dict(block_rows=4, num_warps=8)]),
 ]
@@ -59,6 +73,9 @@ SMOKE_CASES = [
      [dict(block_n=64, block_sel=32), dict(split=True, block_n=64, block_sel=32)]),
     ("8x256 k=26 forced+k_row", 8, 256, 26, None, True, [dict(split=True, block_n=64)]),
     ("4x1000 k=64", 4, 1000, 64, None, False, [dict(block_n=128, block_rows=2)]),
+    ("4x2048 k=64 forced+k_row, sampled vs split", 4, 2048, 64, None, True,
+     [dict(sample_stride=4, block_n=256, block_sel=64),
+      dict(SPLIT_ONLY, block_n=256, block_sel=64)]),
 ]
 MAX_RATIO_TO_PEER = 0.5
 MATRIX_BATCHES, MATRIX_GROUPS, MATRIX_TOKENS = (1, 4, 16, 64), (1, 2, 8, 32), (4096, 32768, 131072)
@@ -90,6 +107,14 @@ def timed(fn, *args, smoke):
     return harness.device_time_ms(fn, *args)
 
 
+def path_of(num_rows, n, k, tuning):
+    """The path `topk_select` takes with these knobs: per_row, split or sampled."""
+    chosen = topk.default_tuning(num_rows, n, k, split=tuning.get("split"),
+                                 sample_stride=tuning.get("sample_stride"),
+                                 block_rows=tuning.get("block_rows"))
+    return "sampled" if chosen["sample_stride"] else "split" if chosen["split"] else "per_row"
+
+
 def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, sweep_budget_s):
     scores, valid, k_row, options = make_inputs(num_rows, n, k, forced)
     ref = jax.jit(lambda s, v, kr: topk.topk_select_reference(s, k, valid=v, k_row=kr, **options))(
@@ -103,8 +128,10 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
 
     tried = []
     for tuning in [{}, *sweep]:
-        entry = {"case": case, "tuning": tuning or "default"}
-        if tuning and time.perf_counter() - started > sweep_budget_s:
+        entry = {"case": case, "tuning": tuning or "default",
+                 "path": path_of(num_rows, n, k, tuning)}
+        over_budget = time.perf_counter() - started > sweep_budget_s
+        if tuning and set(tuning) - PATH_KNOBS and over_budget:
             tried.append({**entry, "skipped": "time budget"})
             continue
         try:
@@ -117,13 +144,17 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
         sys.exit(f"\n*** no configuration ran for {case}")
     best = min(ran, key=lambda t: t["ms"])
     default_ms = tried[0].get("ms", best["ms"])  # the default's error stays in the row
+    path_ms = {path: min((t["ms"] for t in ran if t["path"] == path), default=None)
+               for path in ("split", "sampled")}
 
     peer = harness.compiled(lambda s: jax.lax.top_k(s, k), scores)
     peer_ms = timed(peer, scores, smoke=smoke)
     floor = harness.floor_ms(num_rows * n * 4 + num_rows * k * 4)
     row = harness.row(case, context=n, batch=num_rows, ms=default_ms, floor=floor,
                       peer="lax.top_k", peer_ms=peer_ms, k=k,
-                      split=topk.default_tuning(num_rows, n, k)["split"], target_ms=target,
+                      split=topk.default_tuning(num_rows, n, k)["split"],
+                      path=tried[0]["path"], split_ms=path_ms["split"],
+                      sampled_ms=path_ms["sampled"], target_ms=target,
                       meets_target=None if target is None else default_ms <= target,
                       meets_ratio=default_ms <= MAX_RATIO_TO_PEER * peer_ms,
                       best_ms=best["ms"], best_tuning=best["tuning"],
@@ -172,9 +203,9 @@ def main():
         tried += case_tried
         print(f"{row['case']}: {row['ms']} ms (best {row['best_ms']}), "
               f"lax.top_k {row['peer_ms']} ms", flush=True)
-    harness.print_table(rows, cols=("case", "batch", "context", "k", "split", "ms", "best_ms",
-                                    "peer_ms", "ratio_to_peer", "meets_ratio", "target_ms",
-                                    "meets_target"))
+    harness.print_table(rows, cols=("case", "batch", "context", "k", "path", "ms", "best_ms",
+                                    "split_ms", "sampled_ms", "peer_ms", "ratio_to_peer",
+                                    "meets_ratio", "target_ms", "meets_target"))
     for t in tried:
         print(t)
     worst = max(rows, key=lambda r: r["ratio_to_peer"])
@@ -184,8 +215,9 @@ def main():
         return
     path = harness.write_results(
         "topk_matrix" if args.matrix else "topk", rows,
-        kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search) or rows "
-        "split across programs (8 radix passes over chunks, one compaction)",
+        kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search), rows "
+        "split across programs (8 radix passes over chunks, one compaction), or a strided "
+        "sample's threshold, its candidates counted, compacted and selected per row",
         timing="GPU time per call (profiler), lax.top_k likewise",
         sweep=tried, seconds=round(time.perf_counter() - started, 1))
     print(f"wrote {path}")

@@ -15,9 +15,9 @@ every valid column is kept. force_first + force_last > k is a ValueError (the fo
 alone could overflow the buffer). k may exceed N (a budget larger than the context); the extra
 slots stay -1.
 
-Both Pallas paths select on an int32 order key: each float maps to an int32 that orders like
+The Pallas paths select on an int32 order key: each float maps to an int32 that orders like
 the floats (sign-magnitude -> two's complement, -0.0 -> +0.0, NaN -> INT32_MIN + 1); forced ->
-INT32_MAX; columns >= valid are never read and count as INT32_MIN. Both find the row's
+INT32_MAX; columns >= valid are never read and count as INT32_MIN. Each finds the row's
 count-th largest key T, then keep keys > T and the first ties at T in index order, scattering
 the kept column indices to ascending slots. NaN is not rejected (that would need a
 device-to-host check); it ranks lowest, as above.
@@ -33,15 +33,19 @@ found so far (and the number above it); the next pass folds the row's histograms
 next 4 bits of T. The last kernel folds the final histograms into T and the ties to keep,
 takes each chunk's output offset and share of the ties from the chunks before it (ties go to
 the lower index, so to the earlier chunks), and writes its kept indices and its share of the
--1 padding. Nine launches, no atomics; `default_tuning` picks the path.
+-1 padding. Nine launches, no atomics.
 
-Sampled path (opt-in, `sample=True`; rows whose budget fits a resident row twice): T' = the
-j-th best key of every stride-th column, j the budget's share of the sample plus four standard
-deviations; one pass counts the keys >= T' per chunk, a kernel compacts their columns in
-order into a buffer of 2k + CANDIDATE_MARGIN, and the per-row path selects exactly among
-them (ties to the lower candidate are ties to the lower column; forced columns are the first
-and last candidates). Where a row's candidates miss its budget or overflow the buffer, the
-whole call runs the split path instead (`lax.cond`): exact either way.
+Sampled path (wide rows, `sample_stride` > 0): the same (row, chunk) programs. The per-row
+search over every sample_stride-th column (about SAMPLE_WIDTH of them) finds T^, the sample
+key of rank j = b/s + 4 sqrt(b/s) + 4 for budget b and stride s, so that, with four binomial
+deviations to spare, at least b and at most the capacity C (`candidate_capacity`) of the
+row's keys are >= T^; forced keys always are. One kernel counts the keys >= T^ per chunk, a
+second compacts their columns and keys into [R, C] in column order (each chunk from the
+offset of the chunks before it), and the per-row search selects among these candidates, ties
+to the lower slot being ties to the lower column. The scores are read about twice instead of
+nine times, in five launches. Where any row has fewer candidates than its budget or more than
+C (heavy ties at T^, or data that the strided sample misjudges) a `lax.cond` runs the split
+path instead, so the output is exact either way. `default_tuning` picks the path.
 
 Budget helpers give k_row per row for LycheeDecode's four budget modes and Kascade's ratio:
   TopK       fixed_budget(k, valid)
@@ -59,6 +63,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sparsejax.pallas_kernels import common
@@ -81,11 +86,17 @@ MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nin
 SPLIT_MAX_KEYS = 1 << 22
 SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
-SAMPLE_WIDTH = 8192            # sampled path: columns of the strided sample per row
-CANDIDATE_MARGIN = 2048        # sampled path: candidate buffer = 2k + this many columns
+# Sampled-threshold path (rows wider than RESIDENT_WIDTH whose candidates fit it):
+SAMPLE_WIDTH = 8192            # sample columns per row: stride = the row's width / this
+SAMPLE_SIGMAS = 4              # binomial deviations of margin on either side of the budget
+SAMPLE_SLACK = 4               # sample ranks of margin for small budgets
+# Fewer rows keep the split path: the sample's search and the candidates' select run one
+# program per row, which on a single 128k row costs more than the split path's passes
+# (H200: 0.052 vs 0.036 ms at 1 row, 0.057 vs 0.072 ms at 8; benchmarks/results/topk.json).
+MIN_SAMPLED_ROWS = 8
 
-TUNING = ("split", "block_rows", "block_n", "block_sel", "block_k", "num_warps", "num_stages",
-          "sample_stride")
+TUNING = ("split", "sample_stride", "block_rows", "block_n", "block_sel", "block_k",
+          "num_warps", "num_stages")
 
 
 class Selected(NamedTuple):
@@ -113,19 +124,24 @@ def _budget(valid, k_row, force_first: int, force_last: int):
 # Pieces shared by the kernels. rows [BR] are the program's rows (BR = 1 on the split path).
 
 
+def _row_valid(valid_ref, rows, n: int):
+    """-> (row_ok, valid), each [BR]."""
+    row_ok = rows < valid_ref.shape[0]
+    return row_ok, jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
+
+
 def _row_budget(valid_ref, k_row_ref, rows, *, n: int, k: int, force_first: int,
                 force_last: int):
     """-> (row_ok, valid, budget), each [BR]."""
-    row_ok = rows < valid_ref.shape[0]
-    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
+    row_ok, valid = _row_valid(valid_ref, rows, n)
     k_row = jnp.clip(plgpu.load(k_row_ref.at[rows], mask=row_ok, other=0), 0, k)
     return row_ok, valid, _budget(valid, k_row, force_first, force_last)
 
 
 def _tile_keys(scores_ref, rows, row_ok, valid, start, width: int, force_first: int,
-               force_last: int):
-    """Order keys of columns [start, start + width) -> (cols [1, W], key [BR, W])."""
-    cols = start + lax.iota(jnp.int32, width)[None, :]
+               force_last: int, stride: int = 1):
+    """Order keys of columns (start + [0, width)) * stride -> (cols [1, W], key [BR, W])."""
+    cols = (start + lax.iota(jnp.int32, width)[None, :]) * stride
     present = row_ok[:, None] & (cols < valid[:, None])
     x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
     forced = _forced_mask(cols, valid[:, None], force_first, force_last)
@@ -133,9 +149,24 @@ def _tile_keys(scores_ref, rows, row_ok, valid, start, width: int, force_first: 
     return cols, jnp.where(present, key, MISSING_KEY)
 
 
-def _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k: int):
+def _chunk_tiles(valid, start, block_n: int, block_sel: int):
+    """Scan steps of block_sel that cover the chunk [start, start + block_n) up to valid."""
+    return pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel)
+
+
+def _load_chunks(ref, rows, row_ok):
+    """A [R, C] per-chunk array's row -> [1, CP], 0 past C."""
+    num_chunks = ref.shape[1]
+    chunks = lax.iota(jnp.int32, common.next_power_of_2(num_chunks))[None, :]       # [1, CP]
+    return plgpu.load(ref.at[rows[:, None], chunks],
+                      mask=row_ok[:, None] & (chunks < num_chunks), other=0)
+
+
+def _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k: int,
+               keys_ref=None):
     """Keep key > thr, and ties at thr while their running count E <= ties_wanted; scatter the
-    kept columns to their slots. seen = (keys > thr, ties) in the row before this tile, [BR].
+    kept columns (and their keys, into keys_ref when given) to their slots, those < k. seen =
+    (keys > thr, ties) in the row before this tile, [BR].
 
     With G the running count of key > thr, a kept column lands at G + min(E, ties_wanted) - 1.
     One scan carries both counts: G in the low 16 bits, E in the high 16 (W <= 2**15)."""
@@ -147,8 +178,10 @@ def _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, see
     ties_run = ties_seen[:, None] + lax.shift_right_logical(both, 16)
     keep = gt | (tie & (ties_run <= ties_wanted[:, None]))
     pos = jnp.where(keep, above_run + jnp.minimum(ties_run, ties_wanted[:, None]) - 1, k)
-    plgpu.store(indices_ref.at[store_rows, pos], jnp.broadcast_to(cols, keep.shape),
-                mask=keep & row_ok[:, None])
+    keep &= row_ok[:, None] & (pos < k)
+    plgpu.store(indices_ref.at[store_rows, pos], jnp.broadcast_to(cols, keep.shape), mask=keep)
+    if keys_ref is not None:
+        plgpu.store(keys_ref.at[store_rows, pos], key, mask=keep)
     total = jnp.sum(packed, axis=1)
     return above_seen + (total & 0xFFFF), ties_seen + lax.shift_right_logical(total, 16)
 
@@ -170,30 +203,16 @@ def _pad_slots(indices_ref, store_rows, row_ok, budget, first, num_slots: int, *
 # Per-row path: one program per `block_rows` rows
 
 
-def _topk_kernel(scores_ref,   # [R, N] float32
-                 valid_ref,    # [R] int32
-                 k_row_ref,    # [R] int32
-                 indices_ref,  # [R, k] int32 (out)
-                 count_ref,    # [R] int32 (out)
-                 *, k: int, force_first: int, force_last: int, block_rows: int, block_n: int,
-                 block_sel: int, block_k: int):
-    num_rows, n = scores_ref.shape
-    rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
-    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
-                                        force_first=force_first, force_last=force_last)
-    # Masked lanes point out of bounds so that interpret mode's scatter drops them.
-    store_rows = jnp.where(row_ok, rows, num_rows)[:, None]                          # [BR, 1]
-
-    def tile_keys(start, width):
-        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
-                          force_last)
-
+def _search_rows(tile_keys, budget, present, *, n: int, block_n: int):
+    """The keep rule for the `budget` largest keys of rows of n slots, `present` of which
+    exist per row -> (thr, above), each [BR]: keep keys > thr (`above` of them, <= budget),
+    then the first budget - above ties at thr. tile_keys(start, width) -> (cols, key [BR, W])."""
     resident_keys = tile_keys(0, block_n)[1] if block_n >= n else None              # [BR, BN]
 
     def count_at_least(thr):  # [BR] -> [BR]: keys >= thr per row
         if resident_keys is not None:
             return jnp.sum((resident_keys >= thr[:, None]).astype(jnp.int32), axis=1)
-        num_tiles = pl.cdiv(jnp.max(valid), block_n)
+        num_tiles = pl.cdiv(jnp.max(present), block_n)
 
         def body(t, acc):
             _, key = tile_keys(t * block_n, block_n)
@@ -219,19 +238,48 @@ def _topk_kernel(scores_ref,   # [R, N] float32
         t = jnp.where(count >= budget, cand, t)
         return lax.shift_right_logical(bit, 1), t, thr, above, done | exact.astype(jnp.int32)
 
-    zeros = jnp.zeros((block_rows,), jnp.int32)
+    zeros = jnp.zeros_like(budget)
     init = (jnp.full((), INT32_MIN, jnp.int32), zeros, zeros, zeros, zeros)
     _, t, thr, above, done = lax.while_loop(search_cond, search_step, init)
-    thr = jnp.where(done == 1, thr, t ^ INT32_MIN)  # keep key > thr, then the first ties at thr
+    return jnp.where(done == 1, thr, t ^ INT32_MIN), above
+
+
+def _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, present, budget, *, n: int,
+                 k: int, block_n: int, block_sel: int, block_k: int):
+    """Write the rows' selections: the kept columns ascending, -1 padding, the counts."""
+    # Masked lanes point out of bounds so that interpret mode's scatter drops them.
+    store_rows = jnp.where(row_ok, rows, indices_ref.shape[0])[:, None]               # [BR, 1]
+    thr, above = _search_rows(tile_keys, budget, present, n=n, block_n=block_n)
 
     def keep_tile(i, seen):
         cols, key = tile_keys(i * block_sel, block_sel)
         return _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, budget - above,
                           seen, k)
 
-    lax.fori_loop(0, pl.cdiv(jnp.max(valid), block_sel), keep_tile, (zeros, zeros))
+    zeros = jnp.zeros_like(budget)
+    lax.fori_loop(0, pl.cdiv(jnp.max(present), block_sel), keep_tile, (zeros, zeros))
     _pad_slots(indices_ref, store_rows, row_ok, budget, 0, k, k=k, block_k=block_k)
     plgpu.store(count_ref.at[store_rows[:, 0]], budget, mask=row_ok)
+
+
+def _topk_kernel(scores_ref,   # [R, N] float32
+                 valid_ref,    # [R] int32
+                 k_row_ref,    # [R] int32
+                 indices_ref,  # [R, k] int32 (out)
+                 count_ref,    # [R] int32 (out)
+                 *, k: int, force_first: int, force_last: int, block_rows: int, block_n: int,
+                 block_sel: int, block_k: int):
+    n = scores_ref.shape[1]
+    rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
+
+    def tile_keys(start, width):
+        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
+                          force_last)
+
+    _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, valid, budget, n=n, k=k,
+                 block_n=block_n, block_sel=block_sel, block_k=block_k)
 
 
 def _topk_pallas(scores, valid, k_row, *, k, force_first, force_last, block_rows, block_n,
@@ -267,7 +315,7 @@ def _load_pass(hist_ref, above_ref, rows, row_ok):
     bins = lax.iota(jnp.int32, RADIX_BINS)[None, None, :]
     hist = plgpu.load(hist_ref.at[rows[:, None, None], chunks[:, :, None], bins],
                       mask=ok[:, :, None], other=0)
-    return hist, plgpu.load(above_ref.at[rows[:, None], chunks], mask=ok, other=0)
+    return hist, _load_chunks(above_ref, rows, row_ok)
 
 
 def _next_digit(hist, above, budget):
@@ -325,9 +373,9 @@ def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [s
         return (low_bins + (packed & 0xFFFF), high_bins + lax.shift_right_logical(packed, 16),
                 above + jnp.sum((reached & ~in_range).astype(jnp.int32), axis=1))
 
-    num_tiles = pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel)
     zeros = jnp.zeros((1, half), jnp.int32)
-    low_bins, high_bins, above = lax.fori_loop(0, num_tiles, count_tile,
+    low_bins, high_bins, above = lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel),
+                                               count_tile,
                                                (zeros, zeros, jnp.zeros((1,), jnp.int32)))
     for first_bin, bins in ((0, low_bins), (half, high_bins)):
         plgpu.store(hist_out_ref.at[rows[:, None], chunk, first_bin + pairs], bins,
@@ -371,8 +419,7 @@ def _compact_kernel(scores_ref,   # [R, N] float32
         return _keep_tile(indices_ref, rows[:, None], row_ok, cols, key, thr, ties_wanted,
                           seen, k)
 
-    lax.fori_loop(0, pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel),
-                  keep_tile, seen)
+    lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel), keep_tile, seen)
     share = common.cdiv(k, num_chunks)  # padding slots per program
     _pad_slots(indices_ref, rows[:, None], row_ok, budget, chunk * share, share, k=k,
                block_k=block_k)
@@ -413,97 +460,201 @@ def _topk_split_pallas(scores, valid, k_row, *, k, force_first, force_last, bloc
 
 
 # --------------------------------------------------------------------------------------------
-# Sampled path (wide rows, budgets that fit a resident row twice): a threshold from a strided
-# sample, the columns at or above it compacted in column order, the exact per-row select on
-# those candidates; the split path whenever a row's candidates miss its budget or overflow.
+# Sampled-threshold path: programs (row, chunk) as on the split path. A per-row search over a
+# strided sample of the keys gives a threshold T^ that leaves, with a wide margin, more than
+# the budget and fewer than `capacity` keys at or above it; the scores are then read twice
+# (count per chunk, compact the candidates) and the per-row search selects among the
+# candidates. Where the sample misled any row (too few or too many candidates), the whole
+# call takes the split path instead.
 
 
-def _candidates_kernel(scores_ref,   # [R, N] float32
-                       valid_ref,    # [R] int32
-                       thr_ref,      # [R] int32: order key of the row's threshold
-                       offset_ref,   # [R, C] int32: candidates in the chunks before this one
-                       out_ref,      # [R, W] int32 (out): candidate columns, ascending
-                       *, force_first: int, force_last: int, block_n: int, block_sel: int):
-    num_rows, n = scores_ref.shape
-    width = out_ref.shape[1]
+def _sample_rank(budget, stride: int, xp=jnp):
+    """The sample rank j whose key is T^: the budget's expected share of a 1-in-`stride` sample
+    plus SAMPLE_SIGMAS binomial deviations and SAMPLE_SLACK. xp: jnp in kernels, np static."""
+    share = budget / stride
+    return (xp.ceil(share + SAMPLE_SIGMAS * xp.sqrt(share)) + SAMPLE_SLACK).astype(jnp.int32)
+
+
+def candidate_capacity(k: int, stride: int) -> int:
+    """Candidates per row the sampled path has room for: the keys expected at or above T^ for
+    a budget of k, plus SAMPLE_SIGMAS deviations, to a power of 2."""
+    rank = float(_sample_rank(np.float64(k), stride, xp=np))
+    return common.next_power_of_2(math.ceil(stride * (rank + SAMPLE_SIGMAS * math.sqrt(rank))))
+
+
+def _sample_threshold_kernel(scores_ref,     # [R, N] float32
+                             valid_ref,      # [R] int32
+                             k_row_ref,      # [R] int32
+                             threshold_ref,  # [R] int32 (out): T^, a signed key
+                             *, k: int, force_first: int, force_last: int, stride: int,
+                             block_n: int):
+    n = scores_ref.shape[1]
+    rows = pl.program_id(0) + lax.iota(jnp.int32, 1)                                # [1]
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
+    sampled = pl.cdiv(valid, stride)  # columns 0, stride, 2 stride, ... below valid
+    rank = _sample_rank(budget, stride)
+    wanted = jnp.minimum(rank, sampled)
+
+    def tile_keys(start, width):
+        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
+                          force_last, stride)
+
+    thr, above = _search_rows(tile_keys, wanted, sampled, n=common.cdiv(n, stride),
+                              block_n=block_n)
+    # The lowest key with `wanted` sample keys at or above it; a sample too small to rank
+    # (a short row) makes every valid column a candidate (NAN_KEY is the lowest valid key).
+    threshold = jnp.where(rank > sampled, NAN_KEY, thr + (above == wanted).astype(jnp.int32))
+    plgpu.store(threshold_ref.at[rows], threshold, mask=row_ok)
+
+
+def _count_candidates_kernel(scores_ref,     # [R, N] float32
+                             valid_ref,      # [R] int32
+                             threshold_ref,  # [R] int32: T^
+                             counts_ref,     # [R, C] int32 (out): keys >= T^ per chunk
+                             *, force_first: int, force_last: int, block_n: int,
+                             block_sel: int):
     rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
-    row_ok = rows < num_rows
-    valid = jnp.clip(plgpu.load(valid_ref.at[rows], mask=row_ok, other=0), 0, n)
-    thr = plgpu.load(thr_ref.at[rows], mask=row_ok, other=0)
+    row_ok, valid = _row_valid(valid_ref, rows, scores_ref.shape[1])
+    threshold = plgpu.load(threshold_ref.at[rows], mask=row_ok, other=INT32_MAX)
     start = chunk * block_n
 
-    def keep_tile(i, seen):  # seen [1]: candidates of the row before this tile
+    def count_tile(i, count):
+        _, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel, block_sel,
+                            force_first, force_last)
+        return count + jnp.sum((key >= threshold[:, None]).astype(jnp.int32), axis=1)
+
+    count = lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel), count_tile,
+                          jnp.zeros((1,), jnp.int32))
+    plgpu.store(counts_ref.at[rows, chunk], count, mask=row_ok)
+
+
+def _gather_candidates_kernel(scores_ref,     # [R, N] float32
+                              valid_ref,      # [R] int32
+                              threshold_ref,  # [R] int32: T^
+                              counts_ref,     # [R, C] int32: keys >= T^ per chunk
+                              columns_ref,    # [R, capacity] int32 (out): candidates, ascending
+                              keys_ref,       # [R, capacity] int32 (out): their keys
+                              *, force_first: int, force_last: int, block_n: int,
+                              block_sel: int):
+    rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
+    row_ok, valid = _row_valid(valid_ref, rows, scores_ref.shape[1])
+    threshold = plgpu.load(threshold_ref.at[rows], mask=row_ok, other=INT32_MAX)
+    counts = _load_chunks(counts_ref, rows, row_ok)                                 # [1, CP]
+    before = lax.iota(jnp.int32, counts.shape[1])[None, :] < chunk
+    seen = (jnp.sum(jnp.where(before, counts, 0), axis=1), jnp.zeros((1,), jnp.int32))
+    start = chunk * block_n
+
+    def keep_tile(i, seen):  # keep key > T^ - 1, no ties: every key >= T^
         cols, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel,
                                block_sel, force_first, force_last)
-        keep = (key != MISSING_KEY) & (key >= thr[:, None])
-        slot = seen[:, None] + jnp.cumsum(keep.astype(jnp.int32), axis=1) - 1
-        keep = keep & (slot < width) & row_ok[:, None]
-        plgpu.store(out_ref.at[rows[:, None], jnp.where(keep, slot, width)],
-                    jnp.broadcast_to(cols, keep.shape), mask=keep)
-        return seen + jnp.sum(keep.astype(jnp.int32), axis=1)
+        return _keep_tile(columns_ref, rows[:, None], row_ok, cols, key, threshold - 1,
+                          jnp.zeros((1,), jnp.int32), seen, columns_ref.shape[1],
+                          keys_ref=keys_ref)
 
-    seen = plgpu.load(offset_ref.at[rows, chunk], mask=row_ok, other=0)
-    lax.fori_loop(0, pl.cdiv(jnp.clip(jnp.max(valid) - start, 0, block_n), block_sel),
-                  keep_tile, seen)
+    lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel), keep_tile, seen)
 
 
-def _sample_threshold(scores, valid, budget, *, stride: int, k: int, interpret: bool):
-    """-> [R] int32: the order key of the j-th best of every `stride`-th column, with j the
-    budget's share of the sample plus four standard deviations of a sample count, so that
-    with high odds at least `budget` keys of the row reach it. An empty pick gives INT32_MAX
-    (only forced columns reach it)."""
-    sample = scores[:, ::stride]
-    share = -(-budget // stride)
-    margin = jnp.ceil(4 * jnp.sqrt(share.astype(jnp.float32))).astype(jnp.int32) + 4
-    j = jnp.minimum(jnp.where(budget > 0, share + margin, 0), -(-valid // stride))
-    width = min(sample.shape[1], -(-k // stride) + math.ceil(4 * math.sqrt(-(-k // stride))) + 4)
-    picked = Selected(*_topk_pallas(sample, -(-valid // stride), j, k=width, force_first=0,
-                                    force_last=0, interpret=interpret,
-                                    **_per_row_tuning(sample.shape[0], sample.shape[1], width)))
-    keys = jnp.take_along_axis(_order_key(sample), jnp.maximum(picked.indices, 0), axis=1)
-    return jnp.min(jnp.where(picked.indices >= 0, keys, FORCED_KEY), axis=1)
+def _topk_candidates_kernel(keys_ref,     # [R, capacity] int32: candidate keys by column
+                            columns_ref,  # [R, capacity] int32: their columns, ascending
+                            num_ref,      # [R] int32: candidates per row
+                            budget_ref,   # [R] int32: the row's count (<= num)
+                            indices_ref,  # [R, k] int32 (out)
+                            count_ref,    # [R] int32 (out)
+                            *, k: int, block_n: int, block_sel: int, block_k: int):
+    capacity = keys_ref.shape[1]
+    rows = pl.program_id(0) + lax.iota(jnp.int32, 1)                                # [1]
+    row_ok, num, budget = _row_budget(num_ref, budget_ref, rows, n=capacity, k=k,
+                                      force_first=0, force_last=0)
+
+    def tile_keys(start, width):  # ties to the lower slot are ties to the lower column
+        slots = start + lax.iota(jnp.int32, width)[None, :]
+        present = row_ok[:, None] & (slots < num[:, None])
+        where = (rows[:, None], slots)
+        return (plgpu.load(columns_ref.at[where], mask=present, other=-1),
+                plgpu.load(keys_ref.at[where], mask=present, other=MISSING_KEY))
+
+    _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, num, budget, n=capacity,
+                 k=k, block_n=block_n, block_sel=block_sel, block_k=block_k)
 
 
-def _topk_sampled(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
-                  block_n, block_sel, interpret):
-    """-> (ok [R], select): ok where the row's candidates hold its budget and fit the
-    candidate buffer; select() compacts them and selects, exact on the ok rows. The caller
-    runs select only when every row is ok (a `lax.cond` branch), the split path otherwise."""
+def _per_row_warps(block_rows: int, block_n: int) -> int:
+    return max(4, min(16, block_rows * block_n // 2048))
+
+
+class Candidates(NamedTuple):
+    threshold: jax.Array  # [R] int32: T^
+    counts: jax.Array     # [R, C] int32: keys >= T^ per chunk
+    num: jax.Array        # [R] int32: keys >= T^
+    budget: jax.Array     # [R] int32: the row's count
+    fits: jax.Array       # () bool: budget <= num <= capacity in every row
+
+
+def _sample_candidates(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
+                       block_n, block_sel, num_warps, num_stages, interpret) -> Candidates:
     num_rows, n = scores.shape
-    valid = jnp.clip(valid, 0, n)
-    budget = _budget(valid, jnp.clip(k_row, 0, k), force_first, force_last)
-    thr = _sample_threshold(scores, valid, budget, stride=sample_stride, k=k,
-                            interpret=interpret)
-    cols = jnp.arange(n, dtype=jnp.int32)[None, :]
-    key = jnp.where(_forced_mask(cols, valid[:, None], force_first, force_last), FORCED_KEY,
-                    _order_key(scores))
-    keep = (cols < valid[:, None]) & (key >= thr[:, None])
-    chunks = common.cdiv(n, block_n)
-    per_chunk = jnp.pad(keep, ((0, 0), (0, chunks * block_n - n))).reshape(
-        num_rows, chunks, block_n).sum(axis=2, dtype=jnp.int32)
-    total = per_chunk.sum(axis=1)
-    width = min(n, 2 * k + CANDIDATE_MARGIN)
+    sample_n = min(common.next_power_of_2(common.cdiv(n, sample_stride)), RESIDENT_WIDTH)
+    static = dict(force_first=force_first, force_last=force_last)
+    threshold = common.pallas_call(
+        functools.partial(_sample_threshold_kernel, k=k, stride=sample_stride,
+                          block_n=sample_n, **static),
+        out_shape=jax.ShapeDtypeStruct((num_rows,), jnp.int32), grid=(num_rows,),
+        compiler_params=common.triton_params(_per_row_warps(1, sample_n), 1),
+        interpret=interpret, name="topk_select_sample_threshold",
+    )(scores, valid, k_row)
+    grid = (num_rows, common.cdiv(n, block_n))
+    counts = common.pallas_call(
+        functools.partial(_count_candidates_kernel, block_n=block_n, block_sel=block_sel,
+                          **static),
+        out_shape=jax.ShapeDtypeStruct(grid, jnp.int32), grid=grid,
+        compiler_params=common.triton_params(num_warps, num_stages), interpret=interpret,
+        name="topk_select_count_candidates",
+    )(scores, valid, threshold)
+    budget = _budget(jnp.clip(valid, 0, n), jnp.clip(k_row, 0, k), force_first, force_last)
+    num = jnp.sum(counts, axis=1)
+    fits = jnp.all((num >= budget) & (num <= candidate_capacity(k, sample_stride)))
+    return Candidates(threshold, counts, num, budget, fits)
 
-    def select():
-        cand = common.pallas_call(
-            functools.partial(_candidates_kernel, force_first=force_first,
-                              force_last=force_last, block_n=block_n, block_sel=block_sel),
-            out_shape=jax.ShapeDtypeStruct((num_rows, width), jnp.int32),
-            grid=(num_rows, chunks), compiler_params=common.triton_params(4, 1),
-            interpret=interpret, name="topk_select_candidates",
-        )(scores, valid, thr, jnp.cumsum(per_chunk, axis=1) - per_chunk)
-        count = jnp.minimum(total, width)
-        cand = jnp.where(jnp.arange(width)[None, :] < count[:, None], cand, 0)
-        # Forced columns are candidates: the first and last `force_*` of the row's candidates.
-        chosen = Selected(*_topk_pallas(
-            jnp.take_along_axis(scores, cand, axis=1), count, k_row, k=k,
-            force_first=force_first, force_last=force_last, interpret=interpret,
-            **_per_row_tuning(num_rows, width, k)))
-        indices = jnp.where(chosen.indices >= 0,
-                            jnp.take_along_axis(cand, jnp.maximum(chosen.indices, 0), axis=1),
-                            -1)
-        return Selected(indices, chosen.count)
-    return (total >= budget) & (total <= width), select
+
+def _select_candidates(scores, valid, candidates: Candidates, *, k, force_first, force_last,
+                       sample_stride, block_n, block_sel, num_warps, num_stages, interpret):
+    """Compact the keys >= T^ and select each row's budget among them -> (indices, count);
+    exact where `candidates.fits`."""
+    num_rows, n = scores.shape
+    capacity = candidate_capacity(k, sample_stride)
+    buffer = jax.ShapeDtypeStruct((num_rows, capacity), jnp.int32)
+    columns, keys = common.pallas_call(
+        functools.partial(_gather_candidates_kernel, force_first=force_first,
+                          force_last=force_last, block_n=block_n, block_sel=block_sel),
+        out_shape=(buffer, buffer), grid=candidates.counts.shape,
+        compiler_params=common.triton_params(num_warps, num_stages), interpret=interpret,
+        name="topk_select_gather_candidates",
+    )(scores, valid, candidates.threshold, candidates.counts)
+    resident = min(capacity, RESIDENT_WIDTH)
+    return common.pallas_call(
+        functools.partial(_topk_candidates_kernel, k=k, block_n=resident,
+                          block_sel=min(capacity, 4096),
+                          block_k=min(common.next_power_of_2(k), 1024)),
+        out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
+        grid=(num_rows,), compiler_params=common.triton_params(_per_row_warps(1, resident), 1),
+        interpret=interpret, name="topk_select_candidates",
+    )(keys, columns, candidates.num, candidates.budget)
+
+
+def _topk_sampled_pallas(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
+                         block_n, block_sel, block_k, num_warps, num_stages, interpret):
+    """-> (indices, count, fits): fits says the candidates served, not the split path."""
+    kw = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
+              block_sel=block_sel, num_warps=num_warps, num_stages=num_stages,
+              interpret=interpret)
+    candidates = _sample_candidates(scores, valid, k_row, sample_stride=sample_stride, **kw)
+    indices, count = lax.cond(
+        candidates.fits,
+        lambda: _select_candidates(scores, valid, candidates, sample_stride=sample_stride,
+                                   **kw),
+        lambda: _topk_split_pallas(scores, valid, k_row, block_k=block_k, **kw))
+    return indices, count, candidates.fits
 
 
 # --------------------------------------------------------------------------------------------
@@ -533,19 +684,19 @@ def _check_inputs(scores, k, valid, k_row, force_first, force_last):
 
 
 def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
-                   block_rows: int | None = None, block_n: int | None = None,
-                   sample: bool = False) -> dict:
-    """Static knobs for [num_rows, n] scores and width k; `split`, `block_rows`, `block_n` and
-    `sample` when given are kept (for sweeps) and the knobs that depend on them follow.
-
-    sample_stride > 0 (the sampled path, opted into with sample=True, with the split path's
-      knobs for its fallback): rows wider than SAMPLE_WIDTH whose candidate buffer, 2k +
-      CANDIDATE_MARGIN columns, fits a resident row; the stride leaves SAMPLE_WIDTH sampled
-      columns. 0 otherwise.
+                   sample_stride: int | None = None, block_rows: int | None = None,
+                   block_n: int | None = None) -> dict:
+    """Static knobs for [num_rows, n] scores and width k; `split`, `sample_stride`,
+    `block_rows` and `block_n` when given are kept (for sweeps) and the knobs that depend on
+    them follow.
 
     split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
       bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs and at
-      most SPLIT_MAX_KEYS keys in all; never when block_rows > 1 is asked for.
+      most SPLIT_MAX_KEYS keys in all; never when block_rows > 1 is asked for. A
+      sample_stride > 0 asks for it.
+    sample_stride (split rows only): the sampled-threshold path, with a sample of about
+      SAMPLE_WIDTH columns, for at least MIN_SAMPLED_ROWS rows wider than RESIDENT_WIDTH whose
+      candidate capacity fits RESIDENT_WIDTH; else 0, the split path alone.
     Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
       block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
       benchmarks/results/topk.json), num_stages=1.
@@ -553,53 +704,50 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       16384 columns, the whole row if shorter) and at most MAX_CHUNKS chunks per row;
       block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
       padding slots per program up to 1024, num_warps=4, num_stages=1.
+    Sampled path: the split path's knobs, for its count and compaction over the same chunks
+      and for its fallback; the sample's search and the candidates' select take the per-row
+      rule for rows of the sample's width and of the capacity.
     """
-    n_pow2 = common.next_power_of_2(n)
-    fits = n > SAMPLE_WIDTH and 2 * k + CANDIDATE_MARGIN <= RESIDENT_WIDTH
-    if sample and not fits:
-        raise ValueError(f"sample=True for rows of {n} columns and k={k}: the sampled path "
-                         f"needs rows wider than {SAMPLE_WIDTH} and 2k + {CANDIDATE_MARGIN} <= "
-                         f"{RESIDENT_WIDTH}")
-    if sample:  # the split path's knobs for its fallback (block_n: both paths' chunk width)
-        return dict(default_tuning(num_rows, n, k, split=True, block_n=block_n, sample=False),
-                    sample_stride=n_pow2 // SAMPLE_WIDTH)
     if split is None:
         few_rows = (num_rows < 2 * common.NUM_SMS and n >= MIN_SPLIT_WIDTH
                     and num_rows * n <= SPLIT_MAX_KEYS)
-        split = block_rows in (None, 1) and (n > RESIDENT_WIDTH or few_rows)
+        split = bool(sample_stride) or (block_rows in (None, 1)
+                                        and (n > RESIDENT_WIDTH or few_rows))
+    n_pow2 = common.next_power_of_2(n)
+    if split and sample_stride is None:
+        stride = max(1, n_pow2 // SAMPLE_WIDTH)
+        wide = (n > RESIDENT_WIDTH and num_rows >= MIN_SAMPLED_ROWS
+                and candidate_capacity(k, stride) <= RESIDENT_WIDTH)
+        sample_stride = stride if wide else 0
     if split:
         per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS)
         block_n = block_n or min(n_pow2, max(1024, common.next_power_of_2(
             common.cdiv(n, MAX_CHUNKS)), min(16384, common.next_power_of_2(per_program))))
         slots = common.cdiv(k, common.cdiv(n, block_n))
-        return dict(split=True, block_rows=block_rows or 1, block_n=block_n,
+        return dict(split=True, sample_stride=sample_stride, block_rows=block_rows or 1,
+                    block_n=block_n,
                     block_sel=min(block_n, 512),
                     block_k=min(common.next_power_of_2(slots), 1024), num_warps=4,
-                    num_stages=1, sample_stride=0)
-    return dict(_per_row_tuning(num_rows, n, k, block_rows=block_rows, block_n=block_n),
-                split=False, sample_stride=0)
-
-
-def _per_row_tuning(num_rows: int, n: int, k: int, block_rows: int | None = None,
-                    block_n: int | None = None) -> dict:
-    n_pow2 = common.next_power_of_2(n)
+                    num_stages=1)
     block_rows = block_rows or 1
     block_n = block_n or min(n_pow2, RESIDENT_WIDTH)
-    return dict(block_rows=block_rows, block_n=block_n, block_sel=min(n_pow2, 4096),
+    return dict(split=False, sample_stride=sample_stride or 0, block_rows=block_rows,
+                block_n=block_n, block_sel=min(n_pow2, 4096),
                 block_k=min(common.next_power_of_2(k), 1024),
-                num_warps=max(4, min(16, block_rows * block_n // 2048)), num_stages=1)
+                num_warps=_per_row_warps(block_rows, block_n), num_stages=1)
 
 
-def _check_tuning(split, block_rows, block_n, block_sel, block_k, num_warps, num_stages,
-                  sample_stride):
+def _check_tuning(split, sample_stride, block_rows, block_n, block_sel, block_k, num_warps,
+                  num_stages):
     if not isinstance(split, bool):
         raise ValueError(f"split={split!r}: expected None or a bool")
-    if not isinstance(sample_stride, int) or sample_stride < 0 or (
-            sample_stride & (sample_stride - 1)):
-        raise ValueError(f"sample_stride={sample_stride!r}: expected 0 or a power of 2")
+    if (not isinstance(sample_stride, int) or isinstance(sample_stride, bool)
+            or sample_stride < 0 or sample_stride & (sample_stride - 1)):
+        raise ValueError(f"sample_stride={sample_stride!r}: expected 0 (no sample) or a power "
+                         "of 2")
     if sample_stride and not split:
-        raise ValueError(f"{sample_stride=} with split=False: the sampled path falls back to "
-                         "the split path")
+        raise ValueError(f"{sample_stride=} with split=False: the sampled path counts and "
+                         "compacts over the split path's chunks and falls back to it")
     for name, value in (("block_rows", block_rows), ("block_n", block_n),
                         ("block_sel", block_sel), ("block_k", block_k)):
         if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -626,17 +774,14 @@ def _topk_reference_jit(scores, valid, k_row, *, k, force_first, force_last):
 @functools.partial(jax.jit, static_argnames=("k", "force_first", "force_last", "interpret",
                                              *TUNING))
 def _topk_pallas_jit(scores, valid, k_row, *, k, force_first, force_last, interpret, split,
-                     block_rows, block_n, block_sel, block_k, num_warps, num_stages,
-                     sample_stride):
+                     sample_stride, block_rows, block_n, block_sel, block_k, num_warps,
+                     num_stages):
     kw = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
               block_sel=block_sel, block_k=block_k, num_warps=num_warps,
               num_stages=num_stages, interpret=interpret)
     if sample_stride:
-        ok, select = _topk_sampled(scores, valid, k_row, k=k, force_first=force_first,
-                                   force_last=force_last, sample_stride=sample_stride,
-                                   block_n=block_n, block_sel=block_sel, interpret=interpret)
-        return lax.cond(jnp.all(ok), select,
-                        lambda: Selected(*_topk_split_pallas(scores, valid, k_row, **kw)))
+        return Selected(*_topk_sampled_pallas(scores, valid, k_row, sample_stride=sample_stride,
+                                              **kw)[:2])
     if split:
         return Selected(*_topk_split_pallas(scores, valid, k_row, **kw))
     return Selected(*_topk_pallas(scores, valid, k_row, block_rows=block_rows, **kw))
@@ -644,10 +789,11 @@ def _topk_pallas_jit(scores, valid, k_row, *, k, force_first, force_last, interp
 
 def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, force_last: int = 0,
                 backend: str = "auto", interpret: bool | None = None,
-                split: bool | None = None, block_rows: int | None = None,
+                split: bool | None = None, sample_stride: int | None = None,
+                block_rows: int | None = None,
                 block_n: int | None = None, block_sel: int | None = None,
                 block_k: int | None = None, num_warps: int | None = None,
-                num_stages: int | None = None, sample: bool = False) -> Selected:
+                num_stages: int | None = None) -> Selected:
     """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
 
     scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
@@ -656,22 +802,22 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
     k_row   [R] int: the row's budget (clipped to [0, k]); None means k
     force_first, force_last: static ints; columns [0, force_first) and
             [valid - force_last, valid) are always kept and count toward the budget
-    split, block_rows, block_n, block_sel, block_k, num_warps, num_stages: static Pallas
-            knobs (the path: split rows across programs or not; rows per program; the
-            resident row width or the columns per program; the scan step; the padding step;
-            Triton's); None takes `default_tuning`'s. Validated on every backend.
-    sample  static: the sampled path (rows wider than SAMPLE_WIDTH whose k fits it, a
-            ValueError otherwise); off by default.
+    split, sample_stride, block_rows, block_n, block_sel, block_k, num_warps, num_stages:
+            static Pallas knobs (the path: split rows across programs or not, and sample
+            every sample_stride-th column first or not (0); rows per program; the resident
+            row width or the columns per program; the scan step; the padding step; Triton's);
+            None takes `default_tuning`'s. Validated on every backend.
     Returns Selected(indices [R, k] int32, count [R] int32) with
     count = min(valid, max(k_row, min(valid, force_first + force_last))).
     """
     _check_inputs(scores, k, valid, k_row, force_first, force_last)
     backend = common.resolve_backend(backend)
     num_rows, n = scores.shape
-    tuning = default_tuning(num_rows, n, k, split=split, block_rows=block_rows, block_n=block_n,
-                            sample=sample)
-    given = dict(split=split, block_rows=block_rows, block_n=block_n, block_sel=block_sel,
-                 block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    tuning = default_tuning(num_rows, n, k, split=split, sample_stride=sample_stride,
+                            block_rows=block_rows, block_n=block_n)
+    given = dict(split=split, sample_stride=sample_stride, block_rows=block_rows,
+                 block_n=block_n, block_sel=block_sel, block_k=block_k, num_warps=num_warps,
+                 num_stages=num_stages)
     tuning.update({name: value for name, value in given.items() if value is not None})
     _check_tuning(**tuning)
     valid = jnp.asarray(valid, jnp.int32)

@@ -1,5 +1,6 @@
 """topk_select (Pallas, interpret mode on CPU) vs its lax.top_k reference vs plain numpy."""
 import fractions
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -205,6 +206,10 @@ def test_auto_backend_and_jit(interpret):
      "block_rows=2 with split=True"),
     (lambda s, v: topk.topk_select(s, 4, valid=v, split=True, block_n=4, block_sel=8),
      "block_sel=8 > block_n=4 with split=True"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, sample_stride=3),
+     "sample_stride=3: expected 0 \\(no sample\\) or a power of 2"),
+    (lambda s, v: topk.topk_select(s, 4, valid=v, split=False, sample_stride=4),
+     "sample_stride=4 with split=False"),
     (lambda s, v: topk.ratio_budget(1.5, v), "ratio=1.5: expected a static number in \\[0, 1\\]"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=-1), "minimum=-1"),
     (lambda s, v: topk.ratio_budget(0.1, v, minimum=8, maximum=4), "maximum=4"),
@@ -273,7 +278,7 @@ def test_split_full_tile_of_ties(interpret):
 
 @pytest.mark.parametrize("num_rows, k", [(1, 13107), (8, 4096)])
 def test_split_at_131072_columns(interpret, num_rows, k):
-    """Rows of 131072 through the default tuning (the split path), against the reference:
+    """Rows of 131072 through the default chunks of the split path, against the reference:
     rounded scores (ties across chunks), -inf and NaN tails, valid < N, per-row k_row."""
     n = 131072
     rng = np.random.default_rng(num_rows)
@@ -288,7 +293,8 @@ def test_split_at_131072_columns(interpret, num_rows, k):
         k_row[5:] = [k // 3, k, 17]
     assert topk.default_tuning(num_rows, n, k)["split"]
     kw = dict(valid=valid, k_row=k_row, force_first=4, force_last=64)
-    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret, **kw)
+    out = topk.topk_select(jnp.asarray(scores), k, backend="pallas", interpret=interpret,
+                           sample_stride=0, **kw)
     ref = topk.topk_select_reference(jnp.asarray(scores), k, **kw)
     assert_selected(out, (np.asarray(ref.indices), np.asarray(ref.count)))
     assert np.all(np.asarray(out.count)[:4] == k)  # full rows: the budget binds
@@ -337,13 +343,9 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
 def test_default_tuning_paths():
     """The rule: split rows wider than the resident width, or few rows of >= 4096 columns
     and at most 2**22 keys."""
-    assert topk.default_tuning(8, 131072, 13107) == dict(
-        split=True, block_rows=1, block_n=2048, block_sel=512, block_k=256, num_warps=4,
-        num_stages=1, sample_stride=0)
-    # sampled (opt-in): the split knobs for its fallback, a stride leaving 8192 columns
-    assert topk.default_tuning(8, 131072, 13107, sample=True) == dict(
-        topk.default_tuning(8, 131072, 13107), sample_stride=16)
-    assert topk.default_tuning(256, 524288, 13107, sample=True)["sample_stride"] == 64
+    assert topk.default_tuning(8, 131072, 13107, sample_stride=0) == dict(
+        split=True, sample_stride=0, block_rows=1, block_n=2048, block_sel=512, block_k=256,
+        num_warps=4, num_stages=1)
     assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
     assert topk.default_tuning(512, 131072, 13107)["split"]
     assert topk.default_tuning(64, 8192, 64)["split"]
@@ -357,60 +359,155 @@ def test_default_tuning_paths():
 
 
 # --------------------------------------------------------------------------------------------
-# Sampled path: small rows with a small sample width (distinct shapes per setting: the jit
-# cache keys on shapes and knobs, not on the module constants)
+# Sampled-threshold path: a threshold from every 4th column, candidates over chunks of 256
 
 
-@pytest.fixture
-def small_sample(monkeypatch):
-    monkeypatch.setattr(topk, "SAMPLE_WIDTH", 256)  # rows of 1024: every 4th column
+SAMPLED = dict(sample_stride=4, block_n=256, block_sel=64, block_k=16, num_warps=4,
+               num_stages=1)
 
 
-def sampled_fast_path(scores, k, valid, k_row, force_first, force_last, interpret):
-    """The sampled path's own answer and which rows it vouches for (no fallback)."""
-    tuning = topk.default_tuning(*scores.shape, k, sample=True)
-    ok, select = topk._topk_sampled(
-        jnp.asarray(scores), jnp.asarray(valid), jnp.asarray(k_row), k=k,
-        force_first=force_first, force_last=force_last, sample_stride=tuning["sample_stride"],
-        block_n=256, block_sel=64, interpret=interpret)
-    return select(), ok
+@functools.partial(jax.jit, static_argnames=("k", "force_first", "force_last", "interpret",
+                                             *SAMPLED))
+def sampled_path(scores, valid, k_row, **static):
+    """The sampled path's (indices, count, fits), fits: the candidates served the call."""
+    return topk._topk_sampled_pallas(scores, valid, k_row, **static)
 
 
-@pytest.mark.parametrize("kind", sorted(VALUE_SETS))
-def test_sampled_matches_numpy(interpret, small_sample, kind):
-    scores = make_scores(11, 4, 1024, kind)
-    valid = np.array([1024, 1000, 517, 3], np.int32)
-    k_row = np.array([100, 37, 100, 2], np.int32)
-    run_all(scores, 100, valid, k_row, 2, 3, [dict(sample=True, block_n=256, block_sel=64)],
-            interpret=interpret)
-    if kind == "normal":  # no fallback needed on plain random rows
-        _, ok = sampled_fast_path(scores, 100, valid, k_row, 2, 3, interpret)
-        assert np.all(np.asarray(ok))
+def run_sampled(scores, k, valid, k_row, force_first, force_last, interpret, knobs=SAMPLED):
+    """Assert the sampled path equals the numpy twin -> whether the candidates served."""
+    k_row = np.full(len(valid), k, np.int32) if k_row is None else np.asarray(k_row, np.int32)
+    indices, count, fits = sampled_path(jnp.asarray(scores), jnp.asarray(valid, jnp.int32),
+                                        jnp.asarray(k_row), k=k, force_first=force_first,
+                                        force_last=force_last, interpret=interpret, **knobs)
+    assert_selected(topk.Selected(indices, count),
+                    numpy_topk(scores, k, valid, k_row, force_first, force_last))
+    return bool(fits)
 
 
-def test_sampled_falls_back_where_the_sample_misleads(interpret, small_sample, monkeypatch):
-    """Row 0: all ties, so every column reaches the threshold and overflows 2k candidates.
-    Row 1: the best scores sit exactly on the sampled columns, so too few reach it. Row 2:
-    random. The rows the fast path does not vouch for are wrong without the fallback (the
-    negative control), and topk_select's answer is exact."""
-    monkeypatch.setattr(topk, "CANDIDATE_MARGIN", 0)
-    rng = np.random.default_rng(3)
-    scores = rng.standard_normal((3, 1008)).astype(np.float32)
-    scores[0] = 0.5
-    scores[1, ::4] += 100.0
-    valid, k_row = np.full(3, 1008, np.int32), np.full(3, 200, np.int32)
-    fast, ok = sampled_fast_path(scores, 200, valid, k_row, 0, 0, interpret)
-    np.testing.assert_array_equal(np.asarray(ok), [False, False, True])
-    want = numpy_topk(scores, 200, valid, k_row)
-    assert not np.array_equal(np.asarray(fast.indices)[1], want[0][1])
-    np.testing.assert_array_equal(np.asarray(fast.indices)[2], want[0][2])
-    run_all(scores, 200, valid, k_row, 0, 0, [dict(sample=True, block_n=256, block_sel=64)],
-            interpret=interpret)
+def sprinkled_scores(seed, num_rows, n, kind):
+    """normal; rounded to 0.1 (ties at the threshold); or normal with -inf, NaN, +-0.0."""
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((num_rows, n)).astype(np.float32)
+    if kind == "rounded":
+        return np.round(scores, 1)
+    if kind == "specials":
+        specials = np.float32([-np.inf, np.nan, 0.0, -0.0])
+        where = rng.random((num_rows, n)) < 0.1
+        scores[where] = rng.choice(specials, int(where.sum()))
+    return scores
 
 
-def test_sampled_refuses_rows_it_cannot_serve():
-    with pytest.raises(ValueError, match="sample=True for rows of 4096 columns and k=16000"):
-        topk.topk_select(jnp.zeros((4, 4096)), 16000, valid=np.full(4, 4096), sample=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), kind=st.sampled_from(["normal", "rounded", "specials"]),
+       valid=st.lists(st.sampled_from([0, 1, 37, 300, 1000, 1024]), min_size=4, max_size=4),
+       k_row=st.one_of(st.none(), st.lists(st.integers(0, 64), min_size=4, max_size=4)))
+def test_sampled_random_problems(interpret, seed, kind, valid, k_row):
+    """Four rows of 1024; one static shape, so that one compile serves every example. Away
+    from a heavy tie at the threshold the candidates must serve, not the fallback."""
+    fits = run_sampled(sprinkled_scores(seed, 4, 1024, kind), 64, np.array(valid), k_row, 2, 3,
+                       interpret)
+    assert fits
+
+
+def test_sampled_edge_rows(interpret):
+    """One edge case per row, all served by the candidates: empty and 1-column rows, a budget
+    above valid, k_row 0 (only the forced columns), -inf tails, NaN and -0.0, ties."""
+    scores = sprinkled_scores(3, 8, 1024, "specials")
+    scores[2, 500:] = -np.inf                          # fewer finite scores than valid
+    scores[5] = np.round(scores[5], 1)
+    scores[6, 1::2] = -0.0                            # ties of -0.0 with +0.0 (none +0.0 here)
+    scores[6, ::2] = np.abs(scores[6, ::2])
+    valid = np.array([0, 1, 700, 37, 1024, 1000, 1024, 900], np.int32)
+    k_row = np.array([8, 8, 64, 64, 0, 50, 64, 1], np.int32)
+    assert run_sampled(scores, 64, valid, k_row, 2, 3, interpret)
+
+
+def test_sampled_k_above_n(interpret):
+    """k = 32 > N = 24 (a capacity larger than the row): every valid column is a candidate,
+    ties and all, so the candidates serve even the rows of ties."""
+    scores, valid, k_row = split_edge_rows()
+    knobs = dict(SAMPLED, sample_stride=2, block_n=8, block_sel=4, block_k=4)
+    assert run_sampled(scores, 32, valid, k_row, 1, 2, interpret, knobs)
+
+
+def fallback_rows(case):
+    """Four rows of 1024 that the sample must misjudge."""
+    scores = sprinkled_scores(9, 4, 1024, "normal")
+    if case == "all_equal":                 # every column ties: all are candidates
+        scores[:] = 0.5
+    elif case == "top_off_sample":          # the best columns lie between the sampled ones
+        scores[:, 1::4] += 10.0             # T^ from the plain ones: too many candidates
+    elif case == "top_on_sample":           # only the sampled columns are high
+        scores[:, ::4] += 10.0              # T^ among them: too few candidates
+    return scores
+
+
+@pytest.mark.parametrize("case", ["all_equal", "top_off_sample", "top_on_sample"])
+def test_sampled_fallback_is_exact(interpret, case):
+    assert not run_sampled(fallback_rows(case), 64, np.full(4, 1024), None, 2, 3, interpret)
+
+
+def test_sampled_negative_control(interpret, monkeypatch):
+    """A rank of half the budget's share of the sample sets the threshold too high: the flag
+    sends the call to the split path, and selecting among those candidates would be wrong."""
+    scores = jnp.asarray(sprinkled_scores(4, 4, 1024, "normal"))
+    valid, k_row = jnp.full((4,), 1024, jnp.int32), jnp.full((4,), 64, jnp.int32)
+    static = dict(k=64, force_first=2, force_last=3, block_n=256, block_sel=64, num_warps=4,
+                  num_stages=1, interpret=interpret, sample_stride=4)
+    ref = topk.topk_select_reference(scores, 64, valid=valid, k_row=k_row, force_first=2,
+                                     force_last=3)
+
+    def select():  # a fresh trace, which sees the patched rank
+        def run(s):
+            candidates = topk._sample_candidates(s, valid, k_row, **static)
+            return candidates.fits, topk._select_candidates(s, valid, candidates, **static)
+        return jax.jit(run)(scores)
+
+    fits, out = select()
+    assert fits
+    assert_selected(topk.Selected(*out), (np.asarray(ref.indices), np.asarray(ref.count)))
+    monkeypatch.setattr(topk, "_sample_rank", lambda budget, stride, xp=jnp: budget // (2 * stride))
+    fits, out = select()
+    assert not fits
+    assert not np.array_equal(np.asarray(out[0]), np.asarray(ref.indices))
+
+
+def test_sampled_at_131072_columns(interpret):
+    """Eight rows of 131072, k=13107, through the default tuning (the sampled path): rounded
+    scores (ties at the threshold), -inf and NaN, ragged valid and k_row; served by the
+    candidates."""
+    n, k = 131072, 13107
+    rng = np.random.default_rng(8)
+    scores = np.round(rng.standard_normal((8, n)), 1).astype(np.float32)
+    scores[1, 9000:] = -np.inf
+    scores[2, ::7] = np.nan
+    valid = np.array([n, n, n, n, n - 1, 70001, 3000, 0], np.int32)
+    k_row = np.array([k, 100, k, k, k, k // 3, k, 17], np.int32)
+    tuning = topk.default_tuning(8, n, k)
+    assert tuning.pop("sample_stride") == 16 and tuning.pop("split")
+    tuning.pop("block_rows")
+    assert run_sampled(scores, k, valid, k_row, 4, 64, interpret,
+                       dict(tuning, sample_stride=16))
+
+
+def test_sampled_capacity_and_rule():
+    """The capacity holds the expected candidates of a full budget with SAMPLE_SIGMAS to
+    spare; the default samples wide rows whose capacity stays resident."""
+    for k, stride in [(13107, 16), (4096, 16), (6553, 8), (64, 4)]:
+        rank = np.ceil(k / stride + 4 * np.sqrt(k / stride)) + 4
+        expected = stride * rank
+        assert expected + 4 * stride * np.sqrt(rank) <= topk.candidate_capacity(k, stride)
+        assert topk.candidate_capacity(k, stride) < 2 * (expected + 4 * stride * np.sqrt(rank))
+    assert topk.candidate_capacity(13107, 16) == 32768
+    for shape, stride in [((512, 131072, 13107), 16), ((8, 131072, 4096), 16),
+                          ((1, 131072, 13107), 0),         # one row: split alone
+                          ((512, 65536, 6553), 8),
+                          ((512, 131072, 30000), 0),       # capacity 65536: split alone
+                          ((8, 32768, 3276), 0), ((64, 8192, 64), 0)]:
+        assert topk.default_tuning(*shape)["sample_stride"] == stride, shape
+    assert topk.default_tuning(512, 131072, 13107, sample_stride=0)["split"]
+    assert topk.default_tuning(64, 1024, 64, sample_stride=4)["split"]
+    assert topk.default_tuning(512, 32768, 3276)["sample_stride"] == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,13 +608,14 @@ def triton_modules(monkeypatch):
     (512, 131072, 13107, dict(split=False), 1),              # streamed row
     (64, 8192, 64, dict(block_rows=2), 1),
     (7, 1000, 50, dict(block_n=256, num_warps=4), 1),         # ragged N, streamed
-    (8, 131072, 13107, {}, 2),                               # split: radix pass, compaction
-    (1, 131072, 4096, {}, 2),
-    # sampled: the sample's and the candidates' per-row selects, the compaction, and the
-    # split path's two kernels for its fallback
-    (8, 131072, 13107, dict(sample=True), 5),
-    (256, 524288, 13107, dict(sample=True), 5),
+    (8, 131072, 13107, dict(sample_stride=0), 2),    # split: radix pass, compaction
+    (1, 131072, 4096, dict(sample_stride=0), 2),
     (3, 1000, 50, dict(split=True, block_n=256, block_sel=128), 2),  # split, ragged N
+    # sampled: sample threshold, count, gather, select candidates; the split fallback's two
+    (8, 131072, 13107, {}, 6),
+    (512, 131072, 13107, {}, 6),
+    (1, 131072, 4096, dict(sample_stride=16), 6),
+    (3, 1000, 50, dict(sample_stride=2, block_n=256, block_sel=128), 6),  # ragged N
 ])
 def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
     modules = triton_modules(monkeypatch)
@@ -531,17 +629,19 @@ def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("path", [dict(split=False), dict(split=True, sample_stride=0),
+                                  dict(split=True, sample_stride=16)],
+                         ids=["per_row", "split", "sampled"])
 @pytest.mark.parametrize("num_rows, n, k", [(512, 32768, 3276), (512, 131072, 13107),
                                             (512, 2048, 64), (64, 8192, 64),
                                             (8, 131072, 13107), (1, 131072, 4096)])
-def test_native_matches_reference(num_rows, n, k, split):
+def test_native_matches_reference(num_rows, n, k, path):
     rng = np.random.default_rng(0)
     scores = jnp.asarray(rng.standard_normal((num_rows, n)).astype(np.float32))
     valid = jnp.asarray(rng.integers(n // 2, n + 1, num_rows).astype(np.int32))
     k_row = jnp.asarray(rng.integers(k // 2, k + 1, num_rows).astype(np.int32))
     for kw in (dict(), dict(force_first=4, force_last=min(64, k - 4), k_row=k_row)):
-        out = topk.topk_select(scores, k, valid=valid, backend="pallas", split=split, **kw)
+        out = topk.topk_select(scores, k, valid=valid, backend="pallas", **path, **kw)
         ref = topk.topk_select_reference(scores, k, valid=valid, **kw)
         np.testing.assert_array_equal(np.asarray(out.indices), np.asarray(ref.indices))
         np.testing.assert_array_equal(np.asarray(out.count), np.asarray(ref.count))
