@@ -65,6 +65,10 @@ CASES = [
      None, False, [SPLIT_ONLY]),
     ("256x524288 k=13107 (B=32, 8 KV heads, 512k, TopK)", 256, 524288, 13107, None, False,
      [SPLIT_ONLY]),
+    ("256x524288 k=52428 (B=32, 8 KV heads, 512k, 10%)", 256, 524288, 52428, None, False,
+     [SPLIT_ONLY]),
+    ("1024x524288 k=52428 (B=32, 32 query heads, 512k, TidalDecode)", 1024, 524288, 52428,
+     None, False, [SPLIT_ONLY]),
     ("512x2048 k=64", 512, 2048, 64, 0.05, False,
      [SPLIT, dict(num_warps=8), dict(block_rows=4, num_warps=8)]),
 ]

@@ -94,6 +94,9 @@ SAMPLE_SLACK = 4               # sample ranks of margin for small budgets
 # program per row, which on a single 128k row costs more than the split path's passes
 # (H200: 0.052 vs 0.036 ms at 1 row, 0.057 vs 0.072 ms at 8; benchmarks/results/topk.json).
 MIN_SAMPLED_ROWS = 8
+# Candidates beyond RESIDENT_WIDTH (budgets above ~30k) are streamed by their per-row select,
+# up to this many; wider ones keep the split path.
+MAX_CANDIDATES = 4 * RESIDENT_WIDTH
 
 TUNING = ("split", "sample_stride", "block_rows", "block_n", "block_sel", "block_k",
           "num_warps", "num_stages")
@@ -633,7 +636,7 @@ def _select_candidates(scores, valid, candidates: Candidates, *, k, force_first,
     resident = min(capacity, RESIDENT_WIDTH)
     return common.pallas_call(
         functools.partial(_topk_candidates_kernel, k=k, block_n=resident,
-                          block_sel=min(capacity, 4096),
+                          block_sel=min(resident, 4096),
                           block_k=min(common.next_power_of_2(k), 1024)),
         out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
                    jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
@@ -696,7 +699,7 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       sample_stride > 0 asks for it.
     sample_stride (split rows only): the sampled-threshold path, with a sample of about
       SAMPLE_WIDTH columns, for at least MIN_SAMPLED_ROWS rows wider than RESIDENT_WIDTH whose
-      candidate capacity fits RESIDENT_WIDTH; else 0, the split path alone.
+      candidate capacity is at most MAX_CANDIDATES; else 0, the split path alone.
     Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
       block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
       benchmarks/results/topk.json), num_stages=1.
@@ -717,7 +720,7 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
     if split and sample_stride is None:
         stride = max(1, n_pow2 // SAMPLE_WIDTH)
         wide = (n > RESIDENT_WIDTH and num_rows >= MIN_SAMPLED_ROWS
-                and candidate_capacity(k, stride) <= RESIDENT_WIDTH)
+                and candidate_capacity(k, stride) <= MAX_CANDIDATES)
         sample_stride = stride if wide else 0
     if split:
         per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS)

@@ -430,6 +430,21 @@ def test_sampled_k_above_n(interpret):
     assert run_sampled(scores, 32, valid, k_row, 1, 2, interpret, knobs)
 
 
+def test_sampled_streamed_candidates(interpret, monkeypatch):
+    """More candidates than a resident row holds: their per-row select streams them in tiles
+    (RESIDENT_WIDTH patched to 128 against a capacity of 256), exactly."""
+    monkeypatch.setattr(topk, "RESIDENT_WIDTH", 128)
+    assert topk.candidate_capacity(64, 4) == 256
+    scores, valid = sprinkled_scores(5, 4, 1024, "rounded"), np.array([1024, 1000, 300, 37])
+    k_row = np.array([64, 50, 64, 8])
+    static = dict(SAMPLED, k=64, force_first=2, force_last=3, interpret=interpret)
+    indices, count, fits = jax.jit(  # a fresh trace, which sees the patched width
+        lambda s, v, kr: topk._topk_sampled_pallas(s, v, kr, **static))(
+        jnp.asarray(scores), jnp.asarray(valid, jnp.int32), jnp.asarray(k_row, jnp.int32))
+    assert fits
+    assert_selected(topk.Selected(indices, count), numpy_topk(scores, 64, valid, k_row, 2, 3))
+
+
 def fallback_rows(case):
     """Four rows of 1024 that the sample must misjudge."""
     scores = sprinkled_scores(9, 4, 1024, "normal")
@@ -502,7 +517,8 @@ def test_sampled_capacity_and_rule():
     for shape, stride in [((512, 131072, 13107), 16), ((8, 131072, 4096), 16),
                           ((1, 131072, 13107), 0),         # one row: split alone
                           ((512, 65536, 6553), 8),
-                          ((512, 131072, 30000), 0),       # capacity 65536: split alone
+                          ((512, 131072, 30000), 16),      # capacity 65536: streamed
+                          ((512, 131072, 120000), 0),      # capacity 262144: split alone
                           ((8, 32768, 3276), 0), ((64, 8192, 64), 0)]:
         assert topk.default_tuning(*shape)["sample_stride"] == stride, shape
     assert topk.default_tuning(512, 131072, 13107, sample_stride=0)["split"]
@@ -615,6 +631,7 @@ def triton_modules(monkeypatch):
     (8, 131072, 13107, {}, 6),
     (512, 131072, 13107, {}, 6),
     (1, 131072, 4096, dict(sample_stride=16), 6),
+    (256, 524288, 52428, {}, 6),                     # streamed candidates (capacity 131072)
     (3, 1000, 50, dict(sample_stride=2, block_n=256, block_sel=128), 6),  # ragged N
 ])
 def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
