@@ -30,13 +30,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import harness  # noqa: E402
-from shapes import MODELS  # noqa: E402
+from shapes import MODELS, random_cache  # noqa: E402
 
 import sparsejax  # noqa: E402
 from sparsejax import cache as kv  # noqa: E402
 from sparsejax import methods  # noqa: E402
 from sparsejax.extend import correct  # noqa: E402
-from sparsejax.models import ModelConfig, init_params  # noqa: E402
+from sparsejax.models import ModelConfig, init_params, unstack_layers  # noqa: E402
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
 from sparsejax.selection import select_tiles  # noqa: E402
@@ -213,8 +213,10 @@ def layer_rows(cfg, smoke):
 
 
 def random_model(cfg):
+    """Random weights in the per-layer layout `from_pretrained` returns (the decode step's)."""
     config = ModelConfig(**cfg["config"])
-    return sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=DTYPE))
+    return sparsejax.Model(config, unstack_layers(init_params(config, jax.random.key(0),
+                                                              dtype=DTYPE)))
 
 
 def model_rows(model, cfg, smoke):
@@ -263,20 +265,14 @@ def correction_at(model, cfg, smoke, batch):
     config, n, context = model.config, cfg["correct_every"], cfg["correct_context"]
     plan = as_plan(methods.TidalDecode(k=max(1, context // 10)).scaled_to(config.num_layers),
                    config, cfg["page_size"])
-    cache = kv.allocate(config, batch, context + n, page_size=cfg["page_size"], dtype=DTYPE)
-    kk, kv_ = jax.random.split(jax.random.key(2))
-    cache = cache.replace(k=jax.random.normal(kk, cache.k.shape, DTYPE),
-                          v=jax.random.normal(kv_, cache.v.shape, DTYPE),
-                          lengths=jnp.full((batch,), context, jnp.int32))
+    cache = random_cache(config, plan, batch, context, n, jax.random.key(2), dtype=DTYPE)
     tokens = jax.random.randint(jax.random.key(3), (batch, n), 0, config.vocab_size)
     # The cache is donated and threaded through the calls, as generate's loop does: a copy of
     # it (69 GB at 32k, B=16) would not fit beside it. The steps stay within the n spare slots.
     step = jax.jit(functools.partial(sparsejax.decode_step, plan=plan), donate_argnums=1)
     fix = jax.jit(functools.partial(correct, plan=plan), donate_argnums=1)
-    # Copies of a cache-sized array in the compiled step (0 when the update is in place).
-    hlo = step.lower(model, cache, tokens[:, 0]).compile().as_text()
-    cache_shape = f"[{','.join(map(str, cache.k.shape))}]"
-    copies = sum(" copy(" in line and cache_shape in line for line in hlo.splitlines())
+    # The compiled step's scratch memory beside its arguments (a copy of the cache would show).
+    temp = step.lower(model, cache, tokens[:, 0]).compile().memory_analysis().temp_size_in_bytes
     state = [cache]
     del cache
 
@@ -291,7 +287,7 @@ def correction_at(model, cfg, smoke, batch):
     correct_ms = time(correction)
     state.clear()  # the cache is freed before the next batch or part
     return [harness.row("decode_step_tidal", context=context, batch=batch, ms=decode_ms,
-                        cache_copies_in_step=copies),
+                        step_temp_gib=round(temp / 2**30, 2)),
             harness.row(f"correction_every_{n}", context=context, batch=batch, ms=correct_ms,
                         peer=f"{n}_decode_steps", peer_ms=n * decode_ms,
                         share_of_decode=round(correct_ms / (n * decode_ms + correct_ms), 4))]
@@ -336,10 +332,19 @@ def plot(doc, path):
     save(fig, path)
 
 
+PARTS = ("layer", "model", "correction")
+
+
+def part_of(row):
+    case = row["case"]
+    return ("model" if case.startswith("model_") else
+            "correction" if case.startswith(("correction_", "decode_step_")) else "layer")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
-    parser.add_argument("--parts", default="layer,model,correction")
+    parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--contexts", default=None,
                         help="comma-separated contexts of the layer part (default: 8k-128k)")
     parser.add_argument("--model-contexts", default=None,
@@ -352,6 +357,7 @@ def main(argv=None):
         if getattr(args, name):
             cfg = dict(cfg, **{name: tuple(int(c) for c in getattr(args, name).split(","))})
     parts = args.parts.split(",")
+    committed = harness.committed_rows("prefill")  # a partial rerun keeps the other parts'
     rows = layer_rows(cfg, args.smoke) if "layer" in parts else []
     if {"model", "correction"} & set(parts):
         model = random_model(cfg)
@@ -359,7 +365,9 @@ def main(argv=None):
         rows += model_rows(model, cfg, args.smoke) if "model" in parts else []
     harness.print_table(rows)
     if not args.smoke:
-        path = harness.write_results("prefill", rows, parts=parts, **META)
+        rows = [r for r in committed if part_of(r) not in parts] + rows
+        path = harness.write_results("prefill", rows, parts=sorted({part_of(r) for r in rows}),
+                                     **META)
         plot(json.loads(path.read_text()), path.with_suffix(".png"))
         print(f"wrote {path} and its plot")
 

@@ -186,6 +186,9 @@ def main(argv=None):
         weights=f"kascade_weighted = {ANCHORS}/{LAYERS} anchor + {LAYERS - ANCHORS}/{LAYERS} "
                 "reuse (Kascade Table 3)", paper=PAPER_SOURCE))
     shapes = [(batch, c) for c in cfg["contexts"]] + ([cfg["long"]] if args.long else [])
+    # a partial rerun (--contexts, --long) keeps the committed rows of the shapes it skips
+    kept = [r for r in harness.committed_rows("selecting_layers")
+            if (r["batch"], r["context"]) not in shapes]
     for b, context in shapes:
         try:
             context_rows(cfg, rows, b, context, args.smoke)
@@ -198,7 +201,7 @@ def main(argv=None):
     harness.print_table(rows, cols=("case", "context", "batch", "ratio", "ms", "peer_ms",
                                     "ratio_to_peer", "ratio_to_dense", "speedup_vs_cudnn"))
     if not args.smoke:
-        path = harness.write_results("selecting_layers", rows, **rows.meta)
+        path = harness.write_results("selecting_layers", kept + rows, **rows.meta)
         print(f"wrote {path}")
 
 

@@ -184,6 +184,16 @@ def write_results(name: str, rows: list[dict], **meta) -> Path:
     return path
 
 
+def committed_rows(name: str) -> list[dict]:
+    """results/<name>.json's rows as they stand (read before a partial rerun overwrites the
+    file, to keep the rows it does not redo), each with the date it was measured."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    return [{"date": doc["date"], **row} for row in doc["rows"]]
+
+
 class Rows(list):
     """Rows printed as they come and written (partial) to results/<name>.json after each, so
     a run cut short by a time limit still shows and keeps how far it got. Every Rows of one

@@ -5,6 +5,8 @@ say, only on the shapes, the lengths and the selections' sizes.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,12 +90,20 @@ def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=
     RESA priors / Quest bounds when the plan keeps them)."""
     from sparsejax import cache as kv
 
+    # Filled a layer at a time into the donated cache: the temporaries are one layer's, so a
+    # cache that fills the GPU beside the model can be built.
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill_layer(x, layer, key):
+        return x.at[layer].set(jax.random.normal(key, x.shape[1:], dtype))
+
     c = kv.allocate(config, batch, context + extra, page_size=plan.page_size, dtype=dtype)
-    kk, kv_, ks = jax.random.split(key, 3)
-    c = c.replace(k=jax.random.normal(kk, c.k.shape, dtype),
-                  v=jax.random.normal(kv_, c.v.shape, dtype),
-                  lengths=jnp.full((batch,), context, jnp.int32))
-    return c.replace(state=random_state(config, plan, c, context, ks))
+    fill_key, state_key = jax.random.split(key)
+    k, v = c.k, c.v
+    for layer in range(config.num_layers):
+        keys = jax.random.split(jax.random.fold_in(fill_key, layer))
+        k, v = fill_layer(k, layer, keys[0]), fill_layer(v, layer, keys[1])
+    c = c.replace(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+    return c.replace(state=random_state(config, plan, c, context, state_key))
 
 
 def random_state(config, plan, cache, context, key):
