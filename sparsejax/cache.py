@@ -83,7 +83,11 @@ def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int =
     if need > free:
         raise ValueError(f"a KV cache of {batch} rows × {capacity} tokens needs "
                          f"{need / 2**30:.1f} GiB; the devices have room for {free / 2**30:.1f} GiB: "
-                         "lower the batch, the prompt length or max_new_tokens")
+                         "lower the batch, the prompt length or max_new_tokens"
+                         + ("" if jax.default_backend() == "cpu" else
+                            ", or let JAX's allocator take more than its default 75% of each "
+                            "device (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set before JAX "
+                            "starts)"))
     page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
