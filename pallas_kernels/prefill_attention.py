@@ -176,10 +176,14 @@ def _prefill_kernel(
     end = jnp.minimum(begin + per_split, total)
     # Dense blocks wholly inside [lo, last_pos] and before the block's first query need no
     # mask: every row attends to every key (padded rows too; they are dropped at the end).
-    # The stream is [begin, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, end)
-    # masked: the masks and their selects cost as much ALU as the softmax itself.
+    # Selected keys all lie before every query of the tile: they need only a mask over the
+    # keys (the slots past the count, entries outside [0, lo)), not the causal one. The
+    # stream is [begin, sel_end) key-masked, [sel_end, full_lo) masked, [full_lo, full_hi)
+    # unmasked, [full_hi, end) masked: the masks and their selects cost as much ALU as the
+    # softmax itself.
     to_stream = sel_blocks - lo_block
-    full_lo = jnp.clip(pl.cdiv(lo, block_n) + to_stream, begin, end)
+    sel_end = jnp.clip(sel_blocks, begin, end)
+    full_lo = jnp.clip(pl.cdiv(lo, block_n) + to_stream, sel_end, end)
     full_hi = jnp.clip(lax.div(jnp.minimum(start + first, last_pos + 1), block_n) + to_stream,
                        full_lo, end)
 
@@ -201,17 +205,20 @@ def _prefill_kernel(
         pos, valid = block_positions(j)
         return pos, valid, _page_ids(page_table_ref, b, pos, valid, page_size)
 
-    def attend(j, carry, masked: bool):
+    def attend(j, carry, mask: str | None):
+        """mask: "full" (keys, causal, rows), "keys" (the block's keys only) or None."""
         acc, m, l, ahead = carry
         (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         # Masked: nothing outside the stream is read (unwritten slots stay unread).
         rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
-                                    valid=valid if masked else None, kv_heads=kv_heads,
+                                    valid=valid if mask else None, kv_heads=kv_heads,
                                     page_size=page_size)
         k, v = rows_at(k_ref), rows_at(v_ref)  # [block_n, D]
         s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
-        if masked:
-            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        if mask:
+            keep = valid[None, :]
+            if mask == "full":
+                keep = keep & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
             s = jnp.where(keep, s, -jnp.inf)
             # A row may see no key in a block (causal diagonal, padded rows): exp2 stays finite.
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -229,9 +236,11 @@ def _prefill_kernel(
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     carry = (acc, m, l, lookup(begin) if st.lookahead else ())
-    carry = lax.fori_loop(begin, full_lo, functools.partial(attend, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
-    acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, masked=True), carry)
+    if sparse:
+        carry = lax.fori_loop(begin, sel_end, functools.partial(attend, mask="keys"), carry)
+    carry = lax.fori_loop(sel_end, full_lo, functools.partial(attend, mask="full"), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, mask=None), carry)
+    acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, mask="full"), carry)
 
     # Every existing row is written: queries past the length (and empty splits) get out 0
     # and lse -inf, the convention of `common.merge_partials`.
@@ -305,12 +314,14 @@ def _tile_scores_kernel(
         (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         k = _cache_rows(k_ref, pages, h, pos, valid if masked else None, kv_heads=kv_heads,
                         page_size=page_size)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+        # Keys as the dot's rows: the sum over queries is then along the accumulator's rows
+        # (within a warp), not across the warps that split the query rows.
+        s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=lax.Precision.HIGHEST) * (st.sm_scale * common.LOG2E)
-        p = jnp.exp2(s - lse[:, None])
+        p = jnp.exp2(s - lse[None, :])  # [block_n, rows]
         if masked:  # a whole block (the output is padded to whole blocks): past lo adds 0
-            p = jnp.where(valid[None, :], p, 0.0)
-        plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=0))
+            p = jnp.where(valid[:, None], p, 0.0)
+        plgpu.atomic_add(scores_ref, (b, t, h, pl.ds(j * block_n, block_n)), jnp.sum(p, axis=1))
         return ahead
 
     carry = lax.fori_loop(begin, full, functools.partial(body, masked=False),
@@ -346,7 +357,9 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     block_q: query tokens per program, so that block_q x the padded GQA group is 256 rows
       where a row's K/V tile is at most 256 bytes (bf16/f16 at head_dim <= 128), else 64: a
       flash-attention M tile; at least 16 rows, at most the chunk's next power of 2.
-    block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB).
+    block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB);
+      half that for the sparse stream, whose gathered rows each cost an index and a page
+      lookup (H200, Kascade reuse at 32k: 4.34 ms with 32 keys vs 4.57 with 64).
     num_splits: split the key stream only when the (batch, kv_head, query block) programs
       alone leave the GPU idle (short chunks over a long cache: correction, verification):
       ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
@@ -360,7 +373,7 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     narrow = head_dim * jnp.dtype(dtype).itemsize <= 256
     block_q = max(1, (256 if narrow else 64) // group_pad, common.cdiv(MIN_ROWS, group_pad))
     block_q = min(block_q, max(common.next_power_of_2(chunk), common.cdiv(MIN_ROWS, group_pad)))
-    block_n = 64 if narrow else 32
+    block_n = (64 if narrow else 32) // (2 if sparse else 1)
     programs = batch * kv_heads * common.cdiv(chunk, block_q)
     max_blocks = common.cdiv(max_pages * page_size, block_n)
     num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
