@@ -59,8 +59,8 @@ SWEEP = [(None, None, None, None, None), (64, 64, 8, 3, 0), (64, 64, 8, 4, 1),
 KNOBS = ("block_q", "block_n", "num_warps", "num_stages", "lookahead")
 SWEEP_CONTEXT = 32768
 # Kascade's reuse layer (the sparse stream) and the anchor's tile scores, defaults first
-REUSE_SWEEP = [{}, dict(lookahead=1), dict(block_n=16), dict(block_n=64), dict(num_stages=2),
-               dict(num_stages=4), dict(block_q=32, num_warps=4)]
+REUSE_SWEEP = [{}, dict(lookahead=1), dict(block_n=32), dict(block_n=128), dict(num_stages=4),
+               dict(block_q=64, num_warps=8), dict(block_q=16)]
 SCORES_SWEEP = [{}, dict(lookahead=1), dict(block_n=32), dict(block_n=128), dict(num_stages=2),
                 dict(num_warps=4)]
 META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",

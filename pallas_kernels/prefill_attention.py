@@ -127,6 +127,24 @@ def _looked_up(lookup, j, ahead, lookahead: int):
     return (ahead, lookup(j + 1)) if lookahead else (lookup(j), ())
 
 
+def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot):
+    """One key block of the base-2 online softmax: scores q.k (masked to -inf where not
+    `keep`, a mask broadcastable to [rows, block_n]; None: every key) -> (acc, m, l)."""
+    s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
+    if keep is None:
+        m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
+    else:
+        s = jnp.where(keep, s, -jnp.inf)
+        # A row may see no key in a block (causal diagonal, padded rows): exp2 stays finite.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m - m_shift)
+    p = jnp.exp2(s - m_shift[:, None])
+    l = alpha * l + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+    return acc, m_new, l
+
+
 def _prefill_kernel(
     q_ref,  # [B * C * HQ, D]: one row per (row, query token, head)
     k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
@@ -134,12 +152,13 @@ def _prefill_kernel(
     page_table_ref,  # [B, max_pages] int32
     start_ref,  # [B] int32 position of each row's first query
     lengths_ref,  # [B] int32 valid queries per row
-    *refs,  # sparse: indices [B, T, HK, K] int32, count [B, T, HK] int32; then outputs
+    *refs,  # sparse: cache rows [B, T, HK, K] int32 (`_selected_rows`), count [B, T, HK]
+    #          int32; then the outputs
     sparse: bool,
     st: _Static,
 ):
     if sparse:
-        indices_ref, count_ref, out_ref, lse_ref = refs
+        cache_rows_ref, count_ref, out_ref, lse_ref = refs
     else:
         out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
     chunk, group, kv_heads, page_size, block_q, block_n, tile, num_splits = (
@@ -178,7 +197,7 @@ def _prefill_kernel(
     # mask: every row attends to every key (padded rows too; they are dropped at the end).
     # Selected keys all lie before every query of the tile: they need only a mask over the
     # keys (the slots past the count, entries outside [0, lo)), not the causal one. The
-    # stream is [begin, sel_end) key-masked, [sel_end, full_lo) masked, [full_lo, full_hi)
+    # stream is [begin, sel_end) selected, [sel_end, full_lo) masked, [full_lo, full_hi)
     # unmasked, [full_hi, end) masked: the masks and their selects cost as much ALU as the
     # softmax itself.
     to_stream = sel_blocks - lo_block
@@ -187,60 +206,46 @@ def _prefill_kernel(
     full_hi = jnp.clip(lax.div(jnp.minimum(start + first, last_pos + 1), block_n) + to_stream,
                        full_lo, end)
 
-    def block_positions(j):
-        """Positions [block_n] of stream block j and which of them are attended."""
+    def lookup(j):  # (positions, attended, page ids) of dense stream block j
         pos = (j - to_stream) * block_n + jnp.arange(block_n)
         valid = (pos >= lo) & (pos <= last_pos)
-        if sparse:
-            slot = j * block_n + jnp.arange(block_n)
-            in_sel = (j < sel_blocks) & (slot < count)
-            chosen = plgpu.load(indices_ref.at[b, t, h, slot], mask=in_sel, other=-1)
-            pos = jnp.where(j < sel_blocks, chosen, pos)
-            # only keys before the tile: the tile's own block is the dense part
-            valid = jnp.where(j < sel_blocks, in_sel & (chosen >= 0) & (chosen < lo)
-                              & (chosen <= last_pos), valid)
-        return pos, valid
-
-    def lookup(j):  # (positions, attended, page ids) of stream block j
-        pos, valid = block_positions(j)
         return pos, valid, _page_ids(page_table_ref, b, pos, valid, page_size)
 
-    def attend(j, carry, mask: str | None):
-        """mask: "full" (keys, causal, rows), "keys" (the block's keys only) or None."""
+    def attend_selected(j, carry):
+        """Selected block j: its cache rows were looked up before the kernel (one load in
+        the chain to K/V instead of index -> page id -> K/V), -1 where not attended."""
+        acc, m, l = carry
+        slot = j * block_n + jnp.arange(block_n)
+        at = plgpu.load(cache_rows_ref.at[b, t, h, slot], mask=slot < count, other=-1)
+        valid = at >= 0
+        kv_at = (at[:, None], cols[None, :])
+        k = plgpu.load(k_ref.at[kv_at], mask=valid[:, None], other=0)
+        v = plgpu.load(v_ref.at[kv_at], mask=valid[:, None], other=0)
+        return _softmax_step(q, k, v, valid[None, :], acc, m, l, scale=scale, dot=dot)
+
+    def attend(j, carry, masked: bool):
         acc, m, l, ahead = carry
         (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         # Masked: nothing outside the stream is read (unwritten slots stay unread).
         rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
-                                    valid=valid if mask else None, kv_heads=kv_heads,
+                                    valid=valid if masked else None, kv_heads=kv_heads,
                                     page_size=page_size)
         k, v = rows_at(k_ref), rows_at(v_ref)  # [block_n, D]
-        s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
-        if mask:
-            keep = valid[None, :]
-            if mask == "full":
-                keep = keep & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-            s = jnp.where(keep, s, -jnp.inf)
-            # A row may see no key in a block (causal diagonal, padded rows): exp2 stays finite.
-            m_new = jnp.maximum(m, jnp.max(s, axis=1))
-            m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_shift)
-        p = jnp.exp2(s - m_shift[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
-        return acc, m_new, l, ahead
+        keep = None
+        if masked:
+            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        return (*_softmax_step(q, k, v, keep, acc, m, l, scale=scale, dot=dot), ahead)
 
     scale = st.sm_scale * common.LOG2E
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = (acc, m, l, lookup(begin) if st.lookahead else ())
     if sparse:
-        carry = lax.fori_loop(begin, sel_end, functools.partial(attend, mask="keys"), carry)
-    carry = lax.fori_loop(sel_end, full_lo, functools.partial(attend, mask="full"), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, mask=None), carry)
-    acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, mask="full"), carry)
+        acc, m, l = lax.fori_loop(begin, sel_end, attend_selected, (acc, m, l))
+    carry = (acc, m, l, lookup(sel_end) if st.lookahead else ())
+    carry = lax.fori_loop(sel_end, full_lo, functools.partial(attend, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(attend, masked=False), carry)
+    acc, m, l, _ = lax.fori_loop(full_hi, end, functools.partial(attend, masked=True), carry)
 
     # Every existing row is written: queries past the length (and empty splits) get out 0
     # and lse -inf, the convention of `common.merge_partials`.
@@ -251,6 +256,21 @@ def _prefill_kernel(
                 jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0), mask=stored[:, None])
     lse = m * common.LN2 + jnp.log(l_safe)
     plgpu.store(lse_ref.at[split, q_row], jnp.where(nonempty, lse, -jnp.inf), mask=stored)
+
+
+def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_size):
+    """Rows [B, T, HK, K] of the cache viewed as [num_pages * HK * P, D] that the selected
+    positions of each (row, tile, KV head) occupy; -1 for slots past the count and for
+    positions outside [0, the tile's first position) or past the page table's span."""
+    batch, tiles, _, _ = indices.shape
+    tile_lo = start[:, None] + jnp.arange(tiles)[None, :] * tile  # [B, T]
+    end = jnp.minimum(tile_lo, page_table.shape[1] * page_size)[:, :, None, None]
+    live = ((jnp.arange(indices.shape[-1]) < count[..., None]) & (indices >= 0)
+            & (indices < end))
+    pos = jnp.where(live, indices, 0)
+    pages = page_table[jnp.arange(batch)[:, None, None, None], pos // page_size]
+    head = jnp.arange(kv_heads)[None, None, :, None]
+    return jnp.where(live, (pages * kv_heads + head) * page_size + pos % page_size, -1)
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,
@@ -264,7 +284,9 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
     k_rows = k_pages.reshape(-1, head_dim)
     v_rows = v_pages.reshape(-1, head_dim)
     kernel = functools.partial(_prefill_kernel, sparse=sparse, st=st)
-    extra = (indices, count) if sparse else ()
+    extra = ((_selected_rows(indices, count, page_table, start, tile=tile,
+                             kv_heads=st.kv_heads, page_size=st.page_size), count)
+             if sparse else ())
     out_part, lse_part = common.pallas_call(
         kernel,
         grid=(batch, st.kv_heads, common.cdiv(chunk, block_q) * num_splits),
@@ -350,36 +372,37 @@ def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm
 
 def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
                    page_size: int, max_pages: int, dtype, sparse: bool = False) -> dict:
-    """Static knobs chosen from the shapes (H200 sweep at Llama-3.1-8B shapes, 32k,
-    benchmarks/bench_prefill.py: 256 rows x 64 keys with 8 warps ran 1.45x faster than 128
-    rows with 4).
+    """Static knobs chosen from the shapes (H200 sweeps at Llama-3.1-8B shapes, 32k,
+    benchmarks/bench_prefill.py; dense: 256 rows x 64 keys with 8 warps ran 1.45x faster than
+    128 rows with 4; Kascade's sparse stream at 10%: 128 rows with 4 warps 2.90 ms, 256 rows
+    with 8 warps 3.22 ms).
 
     block_q: query tokens per program, so that block_q x the padded GQA group is 256 rows
-      where a row's K/V tile is at most 256 bytes (bf16/f16 at head_dim <= 128), else 64: a
-      flash-attention M tile; at least 16 rows, at most the chunk's next power of 2.
-    block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB);
-      half that for the sparse stream, whose gathered rows each cost an index and a page
-      lookup (H200, Kascade reuse at 32k: 4.34 ms with 32 keys vs 4.57 with 64).
+      (dense) or 128 (sparse: a gathered key block serves fewer rows, but twice the programs
+      hide its gather) where a row's K/V tile is at most 256 bytes (bf16/f16 at head_dim <=
+      128), else a quarter of that: a flash-attention M tile; at least 16 rows, at most the
+      chunk's next power of 2.
+    block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB).
     num_splits: split the key stream only when the (batch, kv_head, query block) programs
       alone leave the GPU idle (short chunks over a long cache: correction, verification):
       ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
-    num_warps: 8 from 128 rows, else 4; num_stages=3.
+    num_warps: 8 from 256 rows (dense: from 128), else 4; num_stages=3.
     lookahead: 1 (each block's page ids a loop step ahead) for the dense stream, 0 for the
-      sparse one, whose index -> page id -> K/V chain Triton's pipeliner overlaps better
-      itself (H200, 32k: dense 19.7 ms with lookahead vs 21.1 without; sparse 5.4 ms
-      without vs 7.1 with).
+      sparse one (its selected blocks look nothing up: `_selected_rows` did, before the
+      kernel) (H200, 32k: dense 19.7 ms with lookahead vs 21.1 without).
     """
     group_pad = common.next_power_of_2(q_heads // kv_heads)
     narrow = head_dim * jnp.dtype(dtype).itemsize <= 256
-    block_q = max(1, (256 if narrow else 64) // group_pad, common.cdiv(MIN_ROWS, group_pad))
+    rows = (256 if narrow else 64) // (2 if sparse else 1)
+    block_q = max(1, rows // group_pad, common.cdiv(MIN_ROWS, group_pad))
     block_q = min(block_q, max(common.next_power_of_2(chunk), common.cdiv(MIN_ROWS, group_pad)))
-    block_n = (64 if narrow else 32) // (2 if sparse else 1)
+    block_n = 64 if narrow else 32
     programs = batch * kv_heads * common.cdiv(chunk, block_q)
     max_blocks = common.cdiv(max_pages * page_size, block_n)
     num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
     return dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
-                num_warps=8 if block_q * group_pad >= 128 else 4, num_stages=3,
-                lookahead=0 if sparse else 1)
+                num_warps=8 if block_q * group_pad >= (256 if sparse else 128) else 4,
+                num_stages=3, lookahead=0 if sparse else 1)
 
 
 def _check_tuning(group_pad, tile, block_q, block_n, num_splits, num_warps, num_stages,
