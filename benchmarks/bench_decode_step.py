@@ -29,11 +29,7 @@ import numpy as np
 import harness
 import shapes
 
-QWEN_1_5B = dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28,
-                 num_heads=12, num_kv_heads=2, head_dim=128, intermediate_size=8960,
-                 rope_theta=10000.0, tie_word_embeddings=False, qkv_bias=True)
-TINY = dict(QWEN_1_5B, vocab_size=512, hidden_size=128, num_layers=6, num_heads=4,
-            intermediate_size=256, head_dim=64)
+QWEN_1_5B, TINY = "qwen-1.5b", "tiny"  # `shapes.MODELS` names
 
 
 def methods_for(config):
@@ -99,12 +95,9 @@ def check_against_references(model, config, batch=4, context=2048):
     return errors
 
 
-def run_ours(args, shapes, contexts):
-    import sparsejax
-    from sparsejax.models import ModelConfig, init_params
-
-    config = ModelConfig(**shapes)
-    model = sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
+def run_ours(args, name, contexts):
+    model = shapes.random_model(name)  # the per-layer layout `from_pretrained` returns
+    config = model.config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     errors = check_against_references(model, config, batch=2 if args.smoke else 4,
                                       context=200 if args.smoke else 2048)
@@ -133,15 +126,16 @@ def run_ours(args, shapes, contexts):
     return rows
 
 
-def run_hf(args, shapes, contexts):
+def run_hf(args, name, contexts):
     """HF transformers, one decode step with a static cache (SDPA), in this process."""
     import torch
     import transformers
 
+    dims = shapes.MODELS[name]
     cfg = transformers.Qwen2Config(
-        vocab_size=shapes["vocab_size"], hidden_size=shapes["hidden_size"],
-        num_hidden_layers=shapes["num_layers"], num_attention_heads=shapes["num_heads"],
-        num_key_value_heads=shapes["num_kv_heads"], intermediate_size=shapes["intermediate_size"],
+        vocab_size=dims["vocab_size"], hidden_size=dims["hidden_size"],
+        num_hidden_layers=dims["num_layers"], num_attention_heads=dims["num_heads"],
+        num_key_value_heads=dims["num_kv_heads"], intermediate_size=dims["intermediate_size"],
         max_position_embeddings=max(contexts) + 64, attn_implementation="sdpa")
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).cuda().eval()
     out = {}
@@ -181,11 +175,11 @@ def main():
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    shapes, contexts = (TINY, [256, 512]) if args.smoke else (QWEN_1_5B, [4096, 16384])
+    name, contexts = (TINY, [256, 512]) if args.smoke else (QWEN_1_5B, [4096, 16384])
     if args.smoke:
         args.batch, args.calls, args.repeats = 2, 1, 1
     if args.hf_only:
-        print(json.dumps(run_hf(args, shapes, contexts)))
+        print(json.dumps(run_hf(args, name, contexts)))
         return
     hf = {}
     if not args.smoke:
@@ -195,7 +189,7 @@ def main():
         print(proc.stderr[-2000:] if proc.returncode else "", end="")
         hf = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()} \
             if proc.returncode == 0 else {}
-    rows = run_ours(args, shapes, contexts)
+    rows = run_ours(args, name, contexts)
     for context, ms in hf.items():
         dense = next(r for r in rows if r["case"] == "dense" and r["context"] == context)
         rows.append(harness.row("hf-transformers-sdpa-static", context=context, batch=args.batch,

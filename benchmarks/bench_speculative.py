@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import harness
+import shapes
 from bench_decode_step import QWEN_1_5B, TINY, methods_for, random_cache, time_steps
 
 DRAFTERS = ("delta", "kascade", "lychee", "streaming")
@@ -187,12 +188,12 @@ def time_verify(model, cache, batch: int, gamma: int, *, calls: int, repeats: in
 
 def run_random(args, record) -> None:
     """Each row to `record` as it is measured (the dense step first: the others' peer)."""
-    import sparsejax
     from sparsejax import methods as M
-    from sparsejax.models import ModelConfig, init_params
 
-    config = ModelConfig(**(TINY if args.smoke else QWEN_1_5B))
-    model = sparsejax.Model(config, init_params(config, jax.random.key(0), dtype=jnp.bfloat16))
+    # the per-layer layout `from_pretrained` returns (a stacked one would run the decode
+    # step's layers as a scan that copies each layer's weights)
+    model = shapes.random_model(TINY if args.smoke else QWEN_1_5B)
+    config = model.config
     context = args.random_context
     methods = {k: v for k, v in methods_for(config).items() if k in ("dense",) + DRAFTERS}
     methods["streaming"] = M.StreamingLLM(sinks=4, window=min(1024, context // 8))
@@ -304,7 +305,10 @@ def main():
         args.gamma, args.sweep_batch = 2, 2
         args.context, args.random_context, args.prefill_chunk = 128, 256, 64
         args.calls, args.repeats = 1, 1
-    name = "speculative" if args.part == "all" else f"speculative_{args.part}"
+    name = "speculative"
+    parts = ("embedded", "random") if args.part == "all" else (args.part,)
+    # a one-part run keeps the committed rows of the other part
+    kept = [r for r in harness.committed_rows(name) if r.get("part") not in parts]
     meta = dict(embedded_model=f"retrieval-tiny, {args.dtype}, 4 tasks, greedy, budget 10%, "
                 f"prefill_chunk {args.prefill_chunk}",
                 random_model="DS-R1-Distill-Qwen-1.5B shapes, random weights, bf16",
@@ -314,7 +318,7 @@ def main():
     def record(part, row):
         rows.append(dict(row, part=part))
         if not args.smoke:      # what a cut-off run measured is kept
-            harness.write_results(name, rows, partial=True, **meta)
+            harness.write_results(name, kept + rows, partial=True, **meta)
 
     if args.part in ("all", "embedded"):
         run_embedded(args, functools.partial(record, "embedded"))
@@ -325,8 +329,8 @@ def main():
     if args.smoke:      # the plot too, away from the results
         plot(rows, Path(tempfile.mkdtemp()) / "speculative.png")
         return
-    harness.write_results(name, rows, **meta)
-    plot(rows, harness.RESULTS / f"{name}.png")
+    harness.write_results(name, kept + rows, **meta)
+    plot(kept + rows, harness.RESULTS / f"{name}.png")
 
 
 if __name__ == "__main__":
