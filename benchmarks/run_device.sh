@@ -44,7 +44,7 @@ export_fidelity_env() {
   root=$PWD model=$PWD/models/assets/retrieval-tiny
 }
 
-fidelity() {
+fidelity() (  # a subshell: its environment (a small memory fraction) ends with it
   export_fidelity_env
   local dir; dir=$(mktemp -d)
   # the last two groups: Kascade's sparse prefill, and cache correction every 4 generated
@@ -65,9 +65,9 @@ fidelity() {
   local base=(); [ -z "${FIDELITY_GROUPS:-}" ] || base=(benchmarks/results/fidelity.json)
   $PY benchmarks/fidelity.py merge "${base[@]}" "$dir"/part*.json &&
     $PY benchmarks/fidelity.py resa benchmarks/results/fidelity.json
-}
+)
 
-calibration() {
+calibration() (  # a subshell, as fidelity
   export_fidelity_env
   (cd /tmp && timeout "$limit" $PY -m sparsejax calibrate --method delta \
      --out "$model/calibration/delta.json" --plot "$root/benchmarks/results" &&
@@ -81,7 +81,7 @@ calibration() {
   for f in delta_shift kascade_layer_similarity; do
     mv -f "benchmarks/results/$f.png" "benchmarks/results/calibration_$f.png"
   done
-}
+)
 
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse prefill matrix)
