@@ -85,23 +85,24 @@ def weight_bytes(model) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(model.params))
 
 
+# Filled a layer at a time into the donated cache: the temporaries are one layer's, so a
+# cache that fills the GPU beside the model can be built.
+@functools.partial(jax.jit, donate_argnums=0)
+def _fill_layer(x, layer, key):
+    return x.at[layer].set(jax.random.normal(key, x.shape[1:], x.dtype))
+
+
 def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=jnp.bfloat16):
     """A cache of `context + extra` tokens per row holding `context` random tokens (and random
     RESA priors / Quest bounds when the plan keeps them)."""
     from sparsejax import cache as kv
-
-    # Filled a layer at a time into the donated cache: the temporaries are one layer's, so a
-    # cache that fills the GPU beside the model can be built.
-    @functools.partial(jax.jit, donate_argnums=0)
-    def fill_layer(x, layer, key):
-        return x.at[layer].set(jax.random.normal(key, x.shape[1:], dtype))
 
     c = kv.allocate(config, batch, context + extra, page_size=plan.page_size, dtype=dtype)
     fill_key, state_key = jax.random.split(key)
     k, v = c.k, c.v
     for layer in range(config.num_layers):
         keys = jax.random.split(jax.random.fold_in(fill_key, layer))
-        k, v = fill_layer(k, layer, keys[0]), fill_layer(v, layer, keys[1])
+        k, v = _fill_layer(k, layer, keys[0]), _fill_layer(v, layer, keys[1])
     c = c.replace(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
     return c.replace(state=random_state(config, plan, c, context, state_key))
 

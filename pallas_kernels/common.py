@@ -156,6 +156,13 @@ def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
                          f"int32[{batch}, max_pages]")
 
 
+def cache_row(page, head, pos, *, kv_heads: int, page_size: int):
+    """Row of the cache viewed as [num_pages * HK * P, D] (a free reshape of its pages) that
+    holds non-negative position `pos` of KV head `head` on page `page` (page_size a power of
+    2). Works in kernels and in jnp alike."""
+    return (page * kv_heads + head) * page_size + (pos & (page_size - 1))
+
+
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)  # online softmaxes run in base 2: exp2 is one MUFU op, exp is not
 

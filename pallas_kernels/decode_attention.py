@@ -91,7 +91,7 @@ def _decode_kernel(
         # Fetch the next block's page ids now, so the page-table read is off the K/V path.
         next_page_ids = block_page_ids(j + 1)
         tok, valid = block_tokens(j)
-        slot = (page_ids * kv_heads + h) * page_size + (tok & (page_size - 1))
+        slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
         kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]

@@ -116,7 +116,7 @@ def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size):
     """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at positions `pos` (on
     `pages`) of KV head h. Masked gathers read nothing where not `valid`; valid=None reads
     every row without a mask."""
-    slot = (pages * kv_heads + h) * page_size + (pos & (page_size - 1))
+    slot = common.cache_row(pages, h, pos, kv_heads=kv_heads, page_size=page_size)
     at = ref.at[slot[:, None], jnp.arange(ref.shape[-1])[None, :]]
     return plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0)
 
@@ -270,7 +270,8 @@ def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_si
     pos = jnp.where(live, indices, 0)
     pages = page_table[jnp.arange(batch)[:, None, None, None], pos // page_size]
     head = jnp.arange(kv_heads)[None, None, :, None]
-    return jnp.where(live, (pages * kv_heads + head) * page_size + pos % page_size, -1)
+    return jnp.where(live, common.cache_row(pages, head, pos, kv_heads=kv_heads,
+                                            page_size=page_size), -1)
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,

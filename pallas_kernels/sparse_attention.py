@@ -175,7 +175,7 @@ class _Stream:
         page = _load(self.page_table_ref.at[self.b, lax.div(slot, page_size)],
                      jnp.broadcast_to(i < self.n_steps, (self.block_n,)) if self.has_dense
                      else None, 0)
-        row = (page * self.kv_heads + self.h) * page_size + lax.rem(slot, page_size)
+        row = common.cache_row(page, self.h, slot, kv_heads=self.kv_heads, page_size=page_size)
         return jnp.where(valid, row, 0), jnp.where(valid, pos, -1)
 
 
