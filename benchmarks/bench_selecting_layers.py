@@ -9,12 +9,16 @@ Llama-3.1-8B layer shapes (32 query / 8 KV heads, d=128), bf16, page 16, B=64, c
               (`selection.select`: budget, sinks/recent, top-k); also each half alone
               (<role>_scores, <role>_select): kascade (anchor, 10% and 20%), delta (Δ-layer,
               64 pages), lychee (every KV head a retrieval head, 10%), tidal (10%, per query head)
+              Kascade's halves at the first ratio carry their ms per kernel (kernels_ms,
+              from the profiler): where the anchor's time goes.
   kascade_reuse  the sparse kernel over the anchor's selection
   kascade_weighted  Table 3's weighting: 5 of 32 layers at the anchor's cost (layer 0 dense
               with them), 27 at the reuse layer's; its speedup over cuDNN, and the bound
               32 / (5 + 27 r) that an anchor as cheap as our dense layer would give (r = reuse
               over our dense layer).
 The paper's decode rows (H100, fp16, vs FlashAttention-3) are in the JSON beside ours.
+Results: results/selecting_layers.json on an H200, results/selecting_layers_<gpu>.json on any
+other GPU (selecting_layers_h100.json on an H100), so each GPU's table keeps its own rows.
 
   python benchmarks/bench_selecting_layers.py            # on the GPU
   python benchmarks/bench_selecting_layers.py --smoke    # tiny shapes on CPU (the references)
@@ -25,6 +29,7 @@ import argparse
 import functools
 import gc
 import os
+import re
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -78,6 +83,15 @@ def timer(smoke):
     return functools.partial(harness.device_time_ms, calls=10, warmup=2)
 
 
+def results_name() -> str:
+    """selecting_layers on an H200 (the reference table), selecting_layers_<gpu> elsewhere."""
+    kind = harness.device_name()
+    if "H200" in kind:
+        return "selecting_layers"
+    gpu = re.search(r"[A-Z]\d{2,3}", kind)
+    return f"selecting_layers_{(gpu.group(0) if gpu else kind).lower().replace(' ', '_')}"
+
+
 def kernel_shape(config, batch, page_size):
     """The shape dict bench_decode_attention's input builders take (a hashable jit key)."""
     return tuple(sorted(dict(batch=batch, q_heads=config.num_heads,
@@ -125,8 +139,10 @@ def context_rows(cfg, rows, batch, context, smoke):
     rows.append(row("cudnn", ms=peer))
     args = make_paged(jax.random.key(2), shape, context)
     capacity = args[3].shape[1] * cfg["page_size"]
-    dense = time(jax.jit(paged_decode_attention), *args)
-    rows.append(row("dense", ms=dense, ratio_to_dense=1.0))
+    dense_layer = jax.jit(paged_decode_attention)
+    dense = time(dense_layer, *args)
+    rows.append(row("dense", ms=dense, ratio_to_dense=1.0, kernels_ms=None if smoke else
+                    harness.profile(functools.partial(dense_layer, *args))["top"]))
     for ratio in cfg["ratios"]:
         for name, method in roles(config, context, ratio).items():
             plan = as_plan(method, config, cfg["page_size"])
@@ -137,10 +153,17 @@ def context_rows(cfg, rows, batch, context, smoke):
             scores = scoring(*args).scores
             times = {name: time(layer, *args), f"{name}_scores": time(scoring, *args),
                      f"{name}_select": time(selecting, scores, args[4])}
+            kernels = {}
+            if name == "kascade" and ratio == cfg["ratios"][0] and not smoke:
+                # where the anchor's time goes: ms per kernel of each half (profiler)
+                kernels = {f"{name}_scores": harness.profile(functools.partial(scoring, *args))["top"],
+                           f"{name}_select": harness.profile(
+                               functools.partial(selecting, scores, args[4]))["top"]}
             del scores
             for case, ms in times.items():
                 rows.append(row(case, ms=ms, ratio=ratio, score=str(plan.selector.score),
-                                ratio_to_dense=round(ms / dense, 3)))
+                                ratio_to_dense=round(ms / dense, 3),
+                                kernels_ms=kernels.get(case)))
             if name != "kascade":
                 continue
             _, sel = layer(*args)
@@ -181,13 +204,14 @@ def main(argv=None):
     if args.ratios:
         cfg["ratios"] = tuple(float(r) for r in args.ratios.split(","))
     batch = args.batch or cfg["batch"]
-    rows = harness.Rows("selecting_layers", write=not args.smoke, meta=dict(
+    name = results_name()
+    rows = harness.Rows(name, write=not args.smoke, meta=dict(
         shape="Llama-3.1-8B layer (32/8 heads, d=128), bf16, page 16",
         weights=f"kascade_weighted = {ANCHORS}/{LAYERS} anchor + {LAYERS - ANCHORS}/{LAYERS} "
                 "reuse (Kascade Table 3)", paper=PAPER_SOURCE))
     shapes = [(batch, c) for c in cfg["contexts"]] + ([cfg["long"]] if args.long else [])
     # a partial rerun (--contexts, --long) keeps the committed rows of the shapes it skips
-    kept = [r for r in harness.committed_rows("selecting_layers")
+    kept = [r for r in harness.committed_rows(name)
             if (r["batch"], r["context"]) not in shapes]
     for b, context in shapes:
         try:
@@ -201,7 +225,7 @@ def main(argv=None):
     harness.print_table(rows, cols=("case", "context", "batch", "ratio", "ms", "peer_ms",
                                     "ratio_to_peer", "ratio_to_dense", "speedup_vs_cudnn"))
     if not args.smoke:
-        path = harness.write_results("selecting_layers", kept + rows, **rows.meta)
+        path = harness.write_results(name, kept + rows, **rows.meta)
         print(f"wrote {path}")
 
 

@@ -186,12 +186,13 @@ def write_results(name: str, rows: list[dict], **meta) -> Path:
 
 def committed_rows(name: str) -> list[dict]:
     """results/<name>.json's rows as they stand (read before a partial rerun overwrites the
-    file, to keep the rows it does not redo), each with the date it was measured."""
+    file, to keep the rows it does not redo), each with the date and device it was measured on
+    (a rerun may come on another GPU)."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         return []
     doc = json.loads(path.read_text())
-    return [{"date": doc["date"], **row} for row in doc["rows"]]
+    return [{"date": doc["date"], "device": doc["device"], **row} for row in doc["rows"]]
 
 
 class Rows(list):
