@@ -7,9 +7,11 @@
 1. embedded: the embedded model on its four tasks at 4096 tokens (train/data.py prompts,
    EOS-terminated answers), B=16, each drafter at a budget of 10% of the context with what
    ships beside the model (DELTA's and Kascade's calibration, Lychee's gates), as `sparsejax
-   eval` runs them. Per drafter and γ: acceptance rate, tokens/s of the whole call and of the
-   decode phase (the call minus a prefill-only call), speedup over dense `generate`, and
-   whether every token equals dense's. A batch's generate calls compile concurrently.
+   eval` runs them. Per drafter and γ: acceptance rate, tokens/s of the whole call, speedup
+   over dense `generate`, and whether every token equals dense's; a prefill-only call's time
+   beside them (answers are at most 16 tokens, so the calls are prefill-bound). Then the cost
+   model below on the same model, batch and context, evaluated at the measured acceptance:
+   the decode phase's speedup. A batch's generate calls compile concurrently.
 2. random: random-weight DS-R1-Distill-Qwen-1.5B shapes (bf16) at 16k tokens, B = 1, 16, 64,
    where acceptance means nothing: the cost model's inputs — ms of one draft step per
    drafter, of one dense verify of γ + 1 tokens, and of one dense decode step — and what
@@ -40,7 +42,7 @@ import numpy as np
 
 import harness
 import shapes
-from bench_decode_step import QWEN_1_5B, TINY, methods_for, random_cache, time_steps
+from bench_decode_step import QWEN_1_5B, TINY, methods_for, time_steps
 
 DRAFTERS = ("delta", "kascade", "lychee", "streaming")
 
@@ -81,12 +83,6 @@ def embedded_drafters(model, context: int, names=DRAFTERS) -> dict:
     return {name: every[name] for name in names}
 
 
-def decode_rate(tokens: int, call_s: float, prefill_s: float) -> float | None:
-    """Tokens/s of the decode phase: the call's time minus a prefill-only call's (None when
-    timing noise leaves nothing)."""
-    return tokens / (call_s - prefill_s) if call_s > prefill_s else None
-
-
 def timed_call(run, ids, lengths, repeats: int):
     """(median seconds of a compiled generate call, its output)."""
     out, samples = None, []
@@ -115,6 +111,7 @@ def compile_all(model, ids, calls: dict, common: dict) -> dict:
 def run_embedded(args, record) -> None:
     """Each row to `record` as it is measured."""
     import sparsejax
+    from sparsejax import methods as M
     from sparsejax.train import data
 
     dtype = jnp.float32 if args.dtype == "f32" else jnp.bfloat16
@@ -136,32 +133,32 @@ def run_embedded(args, record) -> None:
         dense_s, dense = timed_call(runs.pop("dense"), ids, lengths, args.repeats)
         dense_tokens = np.asarray(dense.tokens)
         new = int(np.sum(np.asarray(dense.num_generated)))
-        dense_decode = decode_rate(new - batch, dense_s, prefill_s)
         accuracy = float(np.mean([data.check_answer(t, s) for t, s in zip(dense_tokens, samples)]))
         record(harness.row("dense", context=context, batch=batch, ms=dense_s * 1e3,
                            tokens_per_s=round(new / dense_s, 1),
-                           decode_tokens_per_s=_round(dense_decode),
                            prefill_ms=round(prefill_s * 1e3, 3), accuracy=accuracy))
         print(f"B={batch} dense: {dense_s * 1e3:.1f} ms (prefill {prefill_s * 1e3:.1f}), "
-              f"decode {_round(dense_decode)} tok/s, accuracy {accuracy:.2f}", flush=True)
+              f"accuracy {accuracy:.2f}", flush=True)
+        acceptance = {}
         for (name, gamma), run in runs.items():
             spec_s, out = timed_call(run, ids, lengths, args.repeats)
             drafted, accepted = np.asarray(out.drafted), np.asarray(out.accepted)
             identical = bool(np.array_equal(np.asarray(out.tokens), dense_tokens))
-            decode = decode_rate(new - batch, spec_s, prefill_s)
-            decode_speedup = decode / dense_decode if decode and dense_decode else None
-            rate = float(accepted.sum() / max(drafted.sum(), 1))
+            rate = acceptance[name, gamma] = round(float(accepted.sum() / max(drafted.sum(), 1)),
+                                                   4)
             record(harness.row(
                 f"{name} γ={gamma}", context=context, batch=batch, ms=spec_s * 1e3,
                 peer="dense generate", peer_ms=dense_s * 1e3, drafter=name, gamma=gamma,
-                acceptance=round(rate, 4), tokens_per_s=round(new / spec_s, 1),
-                decode_tokens_per_s=_round(decode),
-                speedup_vs_dense=round(dense_s / spec_s, 3),
-                decode_speedup_vs_dense=_round(decode_speedup),
-                identical_to_dense=identical))
+                acceptance=rate, tokens_per_s=round(new / spec_s, 1),
+                speedup_vs_dense=round(dense_s / spec_s, 3), identical_to_dense=identical))
             print(f"B={batch} {name} γ={gamma}: acceptance {rate:.2f}, "
-                  f"{spec_s * 1e3:.1f} ms ({dense_s / spec_s:.2f}x dense), decode phase "
-                  f"{_round(decode_speedup)}x, identical {identical}", flush=True)
+                  f"{spec_s * 1e3:.1f} ms ({dense_s / spec_s:.2f}x dense), "
+                  f"identical {identical}", flush=True)
+        del runs
+        # the calls above are prefill-bound (answers are at most 16 tokens): the decode
+        # phase's speedup is the cost model's at the acceptance just measured
+        cost_model(model, {"dense": M.Dense(), **drafters}, batch, context, gammas, args,
+                   record, acceptance)
 
 
 # ---- 2. random weights: the cost model --------------------------------------------------------
@@ -186,6 +183,51 @@ def time_verify(model, cache, batch: int, gamma: int, *, calls: int, repeats: in
     return float(np.median(samples))
 
 
+def cost_model(model, methods: dict, batch: int, context: int, gammas, args, record,
+               acceptance: dict | None = None) -> None:
+    """The cost model's inputs at (batch, context): one decode step per method ("dense" the
+    peer), one dense verify per γ; then per drafter and γ what they predict (and, given the
+    drafter's measured `acceptance`, the speedup at it). Each row to `record`."""
+    config = model.config
+    steps, verify = {}, {}
+    for name, method in methods.items():
+        plan = method.to_plan(config, None)
+        cache = shapes.random_cache(config, plan, batch, context,
+                                    2 + args.calls * args.repeats, jax.random.key(1), model.dtype)
+        steps[name] = time_steps(model, plan, cache, jnp.zeros((batch,), jnp.int32),
+                                 calls=args.calls, repeats=args.repeats)
+        del cache
+        record(harness.row(f"step {name}", context=context, batch=batch, ms=steps[name],
+                           peer="dense step", peer_ms=steps["dense"]))
+        print(f"B={batch} {name} step: {steps[name]:.3f} ms", flush=True)
+    dense = steps["dense"]
+    for gamma in gammas:
+        cache = shapes.random_cache(config, methods["dense"].to_plan(config, None), batch,
+                                    context, gamma + 1, jax.random.key(1), model.dtype)
+        verify[gamma] = time_verify(model, cache, batch, gamma, calls=args.calls,
+                                    repeats=args.repeats)
+        del cache
+        record(harness.row(f"verify γ={gamma}", context=context, batch=batch,
+                           ms=verify[gamma], peer="dense step", peer_ms=dense, gamma=gamma))
+        print(f"B={batch} verify γ={gamma}: {verify[gamma]:.3f} ms", flush=True)
+    for name in (n for n in methods if n != "dense"):
+        for gamma in gammas:
+            t = (gamma, steps[name], verify[gamma], dense)
+            measured = (acceptance or {}).get((name, gamma))
+            record(harness.row(
+                f"cost model {name} γ={gamma}", context=context, batch=batch,
+                ms=gamma * steps[name] + verify[gamma], peer="dense step", peer_ms=dense,
+                drafter=name, gamma=gamma, draft_ms=round(steps[name], 4),
+                verify_ms=round(verify[gamma], 4),
+                break_even_acceptance=_round(break_even_acceptance(*t)),
+                **{f"predicted_speedup_at_{a}": round(predicted_speedup(a, *t), 3)
+                   for a in (0.5, 0.7, 0.8, 0.9, 1.0)},
+                **({} if measured is None else dict(
+                    acceptance=measured,
+                    predicted_speedup_at_acceptance=round(predicted_speedup(measured, *t),
+                                                          3)))))
+
+
 def run_random(args, record) -> None:
     """Each row to `record` as it is measured (the dense step first: the others' peer)."""
     from sparsejax import methods as M
@@ -193,43 +235,12 @@ def run_random(args, record) -> None:
     # the per-layer layout `from_pretrained` returns (a stacked one would run the decode
     # step's layers as a scan that copies each layer's weights)
     model = shapes.random_model(TINY if args.smoke else QWEN_1_5B)
-    config = model.config
     context = args.random_context
-    methods = {k: v for k, v in methods_for(config).items() if k in ("dense",) + DRAFTERS}
+    methods = {k: v for k, v in methods_for(model.config).items()
+               if k in ("dense",) + DRAFTERS}
     methods["streaming"] = M.StreamingLLM(sinks=4, window=min(1024, context // 8))
     for batch in args.batches:
-        steps, verify = {}, {}
-        for name, method in methods.items():
-            plan = method.to_plan(config, None)
-            cache = random_cache(config, plan, batch, context, 2 + args.calls * args.repeats,
-                                 jax.random.key(1))
-            steps[name] = time_steps(model, plan, cache, jnp.zeros((batch,), jnp.int32),
-                                     calls=args.calls, repeats=args.repeats)
-            del cache
-            record(harness.row(f"step {name}", context=context, batch=batch, ms=steps[name],
-                               peer="dense step", peer_ms=steps["dense"]))
-            print(f"B={batch} {name} step: {steps[name]:.3f} ms", flush=True)
-        dense = steps["dense"]
-        for gamma in args.gammas:
-            cache = random_cache(config, methods["dense"].to_plan(config, None), batch, context,
-                                 gamma + 1, jax.random.key(1))
-            verify[gamma] = time_verify(model, cache, batch, gamma, calls=args.calls,
-                                        repeats=args.repeats)
-            del cache
-            record(harness.row(f"verify γ={gamma}", context=context, batch=batch,
-                               ms=verify[gamma], peer="dense step", peer_ms=dense, gamma=gamma))
-            print(f"B={batch} verify γ={gamma}: {verify[gamma]:.3f} ms", flush=True)
-        for name in DRAFTERS:
-            for gamma in args.gammas:
-                t = (gamma, steps[name], verify[gamma], dense)
-                record(harness.row(
-                    f"cost model {name} γ={gamma}", context=context, batch=batch,
-                    ms=gamma * steps[name] + verify[gamma], peer="dense step", peer_ms=dense,
-                    drafter=name, gamma=gamma, draft_ms=round(steps[name], 4),
-                    verify_ms=round(verify[gamma], 4),
-                    break_even_acceptance=_round(break_even_acceptance(*t)),
-                    **{f"predicted_speedup_at_{a}": round(predicted_speedup(a, *t), 3)
-                       for a in (0.5, 0.7, 0.8, 0.9, 1.0)}))
+        cost_model(model, methods, batch, context, args.gammas, args, record)
 
 
 def _round(x, digits: int = 3):
@@ -242,22 +253,30 @@ def plot(rows, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    emb = [r for r in rows if r.get("part") == "embedded" and r.get("drafter")]
+    emb = [r for r in rows if r.get("part") == "embedded" and "speedup_vs_dense" in r]
+    predicted = {(r["drafter"], r["batch"], r["gamma"]): r["predicted_speedup_at_acceptance"]
+                 for r in rows if "predicted_speedup_at_acceptance" in r}
     if emb:
         batch = max({r["batch"] for r in emb}, key=lambda b: sum(x["batch"] == b for x in emb))
-        for name in DRAFTERS:
+        for i, name in enumerate(DRAFTERS):
             rs = sorted((r for r in emb if r["drafter"] == name and r["batch"] == batch),
                         key=lambda r: r["gamma"])
-            if rs:
-                axes[0].plot([r["gamma"] for r in rs], [r["speedup_vs_dense"] for r in rs],
-                             marker="o", label=f"{name} (acceptance "
-                             f"{min(r['acceptance'] for r in rs):.2f}-"
-                             f"{max(r['acceptance'] for r in rs):.2f})")
+            if not rs:
+                continue
+            gammas, color = [r["gamma"] for r in rs], f"C{i}"
+            axes[0].plot(gammas, [r["speedup_vs_dense"] for r in rs], marker="o", color=color,
+                         label=f"{name} (acceptance {min(r['acceptance'] for r in rs):.2f}-"
+                         f"{max(r['acceptance'] for r in rs):.2f})")
+            decode = [predicted.get((name, batch, g)) for g in gammas]
+            if None not in decode:
+                axes[0].plot(gammas, decode, ls="--", marker="x", color=color)
         axes[0].axhline(1.0, color="gray", lw=0.8)
-        axes[0].set(xlabel="draft tokens γ", ylabel="tokens/s ÷ dense generate",
-                    title=f"embedded model, 4 tasks at {emb[0]['context']}, B={batch}")
+        axes[0].set(xlabel="draft tokens γ", ylabel="speedup over dense",
+                    title=f"embedded model, {emb[0]['context']} tokens, B={batch}, "
+                    f"{emb[0].get('device', harness.device_name())}\nwhole call (solid), "
+                    "decode phase (dashed: cost model at the acceptance)")
         axes[0].legend(fontsize=8)
-    cost = [r for r in rows if r["case"].startswith("cost model")]
+    cost = [r for r in rows if r["case"].startswith("cost model") and r["part"] == "random"]
     if cost:
         batch = max(r["batch"] for r in cost)
         gamma = sorted({r["gamma"] for r in cost})[len({r["gamma"] for r in cost}) // 2]
@@ -269,9 +288,9 @@ def plot(rows, path):
         axes[1].axhline(1.0, color="gray", lw=0.8)
         axes[1].set(xlabel="acceptance rate α", ylabel="predicted speedup over dense",
                     title=f"cost model, DS-Qwen-1.5B shapes, {cost[0]['context'] // 1024}k, "
-                    f"B={batch}, γ={gamma}")
+                    f"B={batch}, γ={gamma}\n{cost[0].get('device', harness.device_name())}")
         axes[1].legend(fontsize=8)
-    fig.suptitle(f"Lossless mode (sparse drafts, dense verify), {harness.device_name()}")
+    fig.suptitle("Lossless mode (sparse drafts, dense verify)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     if os.environ.get("OUT"):
