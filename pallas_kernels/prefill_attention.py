@@ -60,14 +60,17 @@ class _Static(NamedTuple):
     tile: int
     num_splits: int
     lookahead: int  # 1: a block's page (and index) lookups run one loop step before its loads
+    precision: object  # of the dots: `common.dot_precision`
 
 
-def _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead) -> _Static:
+def _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
+            interpret) -> _Static:
     _, chunk, q_heads, _ = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     group = q_heads // kv_heads
     return _Static(sm_scale, chunk, group, common.next_power_of_2(group), kv_heads, page_size,
-                   block_q, block_n, tile, num_splits, lookahead)
+                   block_q, block_n, tile, num_splits, lookahead,
+                   common.dot_precision(q.dtype, interpret))
 
 
 class _Program(NamedTuple):
@@ -170,7 +173,7 @@ def _prefill_kernel(
     rows = block_q * st.group_pad
     cols = jnp.arange(head_dim)
     dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32,
-                            precision=lax.Precision.HIGHEST)
+                            precision=st.precision)
 
     start = start_ref[b]
     q_pos = start + token  # [rows]
@@ -278,7 +281,8 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
                     tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
                     num_stages, lookahead):
     batch, chunk, q_heads, head_dim = q.shape
-    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead)
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
+                 interpret)
     sparse = indices is not None
     # Free reshapes of contiguous arrays: no copy.
     q_rows = q.reshape(-1, head_dim)
@@ -340,7 +344,7 @@ def _tile_scores_kernel(
         # Keys as the dot's rows: the sum over queries is then along the accumulator's rows
         # (within a warp), not across the warps that split the query rows.
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=lax.Precision.HIGHEST) * (st.sm_scale * common.LOG2E)
+                            precision=st.precision) * (st.sm_scale * common.LOG2E)
         p = jnp.exp2(s - lse[None, :])  # [block_n, rows]
         if masked:  # a whole block (the output is padded to whole blocks): past lo adds 0
             p = jnp.where(valid[:, None], p, 0.0)
@@ -356,7 +360,8 @@ def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm
                         interpret, block_q, block_n, num_splits, num_warps, num_stages,
                         lookahead):
     batch, chunk, _, head_dim = q.shape
-    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead)
+    st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
+                 interpret)
     span = page_table.shape[1] * st.page_size
     shape = (batch, common.cdiv(chunk, tile), st.kv_heads, common.cdiv(span, block_n) * block_n)
     return common.pallas_call(
@@ -501,7 +506,8 @@ def paged_prefill_attention(
 
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
       kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
-      up to 16; other shapes run the reference under "auto" and raise under "pallas".
+      up to 16; other shapes run the reference under "auto" and raise under "pallas". f32
+      dots run as three-pass TF32 on the GPU (`common.dot_precision`).
     interpret: Pallas interpret mode; None -> on unless a GPU is present.
     block_q, block_n, num_splits, num_warps, num_stages, lookahead: static knobs of the
       Pallas path; None picks `default_tuning`. block_q must divide `tile`.
