@@ -187,15 +187,25 @@ def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array
     Returns (out [..., D] fp32, lse [...]) over the union, with the S axis reduced.
     An all-empty union gives out = 0 and lse = -inf.
     """
+    w, total, lse_all = _lse_weights(lse, axis)
+    w = w / jnp.where(total > 0, total, 1.0)
+    merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(w, -1), axis=axis)
+    return merged, lse_all
+
+
+def merge_lse(lse: jax.Array, axis: int) -> jax.Array:
+    """The LSE of `merge_partials` alone (partials without outputs)."""
+    return _lse_weights(lse, axis)[2]
+
+
+def _lse_weights(lse, axis):
+    """(exp(lse - max) per partial, their sum, the merged lse; -inf where all are empty)."""
     lse = lse.astype(jnp.float32)
     m = jnp.max(lse, axis=axis, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp(lse - m_safe)  # 0 for empty partials
     total = jnp.sum(w, axis=axis, keepdims=True)
-    lse_all = jnp.squeeze(jnp.where(total > 0, m_safe + jnp.log(total), -jnp.inf), axis)
-    w = w / jnp.where(total > 0, total, 1.0)
-    merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(w, -1), axis=axis)
-    return merged, lse_all
+    return w, total, jnp.squeeze(jnp.where(total > 0, m_safe + jnp.log(total), -jnp.inf), axis)
 
 
 class Score(enum.StrEnum):

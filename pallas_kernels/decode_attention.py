@@ -10,7 +10,9 @@ of the row's key blocks through the page table with masked gathers straight from
 (no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
 `common.merge_partials` combines the splits. For scores the kernel also writes the scaled
 logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
-epilogue turns logits + final LSE into the requested pooling, so K is read once.
+epilogue turns logits + final LSE into the requested pooling, so K is read once. With
+`values=False` the kernel is the scores pass alone (Kascade's anchor layers, as in its §3.6):
+no V is read and no output computed, about half the bytes of the dense pass.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this 
 
 
 class DecodeAttention(NamedTuple):
-    out: jax.Array  # [B, HQ, D] in q's dtype
+    out: jax.Array | None  # [B, HQ, D] in q's dtype; None for the scores pass alone
     lse: jax.Array  # [B, HQ] float32, natural log
     scores: jax.Array | None  # see `paged_decode_attention`
 
@@ -47,9 +49,10 @@ def _decode_kernel(
     page_table_ref,  # [B, max_pages] int32
     lengths_ref,  # [B] int32
     active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
-    out_ref,  # [B, num_splits, HQ, D] float32: normalised partial output per split
-    lse_ref,  # [B, num_splits, HQ] float32: partial LSE, -inf for an empty split
-    *logits_refs,  # () | ([B, HQ, T] float32) | ([B, HK, T] float32) for mean_query
+    *refs,  # out_ref [B, num_splits, HQ, D] float32 (normalised partial output per split;
+            #   absent without values), lse_ref [B, num_splits, HQ] float32 (partial LSE, -inf
+            #   for an empty split), then () | ([B, HQ, T] float32) | ([B, HK, T] float32) for
+            #   mean_query: the logits
     sm_scale: float,
     group: int,
     kv_heads: int,
@@ -58,7 +61,9 @@ def _decode_kernel(
     num_splits: int,
     max_tokens: int,
     score: str | None,
+    values: bool,
 ):
+    out_ref, lse_ref, *logits_refs = refs if values else (None, *refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
     row_valid = jnp.arange(BLOCK_G) < group
@@ -95,7 +100,6 @@ def _decode_kernel(
         kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
-        v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         if score == "mean_query":
@@ -110,7 +114,9 @@ def _decode_kernel(
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+        if values:
+            v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
+            acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
         return acc, m_new, l, next_page_ids
 
     acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32)
@@ -120,14 +126,15 @@ def _decode_kernel(
 
     nonempty = l > 0
     l_safe = jnp.where(nonempty, l, 1.0)
-    plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], acc / l_safe[:, None],
-                mask=row_valid[:, None])
+    if values:
+        plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], acc / l_safe[:, None],
+                    mask=row_valid[:, None])
     plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)],
                 jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf), mask=row_valid)
 
 
-def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, sm_scale,
-                   interpret, block_n, num_splits, num_warps, num_stages):
+def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, values,
+                   sm_scale, interpret, block_n, num_splits, num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -137,8 +144,10 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, s
     k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
     v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
 
-    out_shape = [jax.ShapeDtypeStruct((batch, num_splits, q_heads, head_dim), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, num_splits, q_heads), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_splits, q_heads), jnp.float32)]
+    if values:
+        out_shape.insert(0, jax.ShapeDtypeStruct((batch, num_splits, q_heads, head_dim),
+                                                 jnp.float32))
     if score == "mean_query":
         out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, max_tokens), jnp.float32))
     elif score is not None:
@@ -146,23 +155,29 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, s
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, group=group, kv_heads=kv_heads,
         page_size=page_size, block_n=block_n, num_splits=num_splits, max_tokens=max_tokens,
-        score=score)
-    out_part, lse_part, *logits = common.pallas_call(
+        score=score, values=values)
+    parts = common.pallas_call(
         kernel,
         grid=(batch, kv_heads, num_splits),
         out_shape=out_shape,
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"paged_decode_attention_{block_n=}_{num_splits=}",
+        name=f"paged_decode_{'attention' if values else 'scores'}_{block_n=}_{num_splits=}",
     )(q, k_rows, v_rows, page_table, lengths,
       jnp.ones((kv_heads,), jnp.int32) if active is None else active.astype(jnp.int32))
 
-    out, lse = common.merge_partials(out_part, lse_part, axis=1)
+    if values:
+        out_part, lse_part, *logits = parts
+        out, lse = common.merge_partials(out_part, lse_part, axis=1)
+        out = out.astype(q.dtype)
+    else:
+        (lse_part, *logits), out = parts, None
+        lse = common.merge_lse(lse_part, axis=1)
     scores = None
     if score is not None:
         scores = _pool_logits(score, logits[0], lse, jnp.minimum(lengths, max_tokens), active,
                               page_size=page_size, kv_heads=kv_heads)
-    return DecodeAttention(out.astype(q.dtype), lse, scores)
+    return DecodeAttention(out, lse, scores)
 
 
 def _pool_logits(score, logits, lse, lengths, active, *, page_size, kv_heads):
@@ -228,10 +243,13 @@ def _check_tuning(block_n, num_splits, num_warps, num_stages):
         raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads):
+def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values=True):
     """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
     if score not in SCORES:
         raise ValueError(f"score={score!r}: expected one of {SCORES}")
+    if not values and score is None:
+        raise ValueError("values=False computes only the scores: it needs a score, got "
+                         "score=None")
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}: expected [batch, q_heads, head_dim]")
     common.check_paged_cache(q, k_pages, v_pages, page_table)
@@ -253,6 +271,7 @@ def paged_decode_attention(
     lengths: jax.Array,  # [B] int32
     *,
     score: str | None = None,
+    values: bool = True,
     kv_heads: jax.Array | None = None,  # [HK] bool
     sm_scale: float | None = None,
     backend: str = "auto",
@@ -280,6 +299,8 @@ def paged_decode_attention(
                       q̄·k·sm_scale; -inf at positions >= length (LycheeDecode).
       "head_probs" -> [B, HQ, max_pages * P] f32: each query head's softmax probabilities;
                       -inf at positions >= length (oracle top-k, TidalDecode).
+    values: False runs the scores pass alone (needs a score): V is never read and out is
+      None; lse and scores are those of the full pass.
     kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
       are computed; the others are skipped and get out 0, lse -inf and -inf scores
       ("max_heads" takes the max over the computed heads). None computes every head.
@@ -290,28 +311,29 @@ def paged_decode_attention(
     block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path; None picks
       `default_tuning`.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads)
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
                                         dtypes=DTYPES, max_group=MAX_GROUP)
     return _paged_decode_attention(
-        q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, sm_scale=sm_scale,
+        q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
+        sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "score", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
+    "score", "values", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
     "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
-                            sm_scale, backend, interpret, block_n, num_splits, num_warps,
-                            num_stages):
+                            values, sm_scale, backend, interpret, block_n, num_splits,
+                            num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
     if backend == "reference":
         return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths,
-                                                score=score, kv_heads=kv_heads,
+                                                score=score, values=values, kv_heads=kv_heads,
                                                 sm_scale=sm_scale)
     tuning = default_tuning(q.shape[0], k_pages.shape[1], q.shape[2], k_pages.shape[2],
                             page_table.shape[1], q.dtype, scores=score is not None)
@@ -320,17 +342,17 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(**tuning)
     return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
-                          sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
-                          **tuning)
+                          values=values, sm_scale=sm_scale,
+                          interpret=common.resolve_interpret(interpret), **tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("score", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("score", "values", "sm_scale"))
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *,
-                                     score: str | None = None,
+                                     score: str | None = None, values: bool = True,
                                      kv_heads: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
     """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout."""
-    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads)
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
     batch, q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     max_tokens = page_table.shape[1] * page_size
@@ -372,4 +394,4 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
     elif score == "head_probs":
         scores = jnp.where(kv_valid[:, :, None, :], prob, -jnp.inf)
         scores = scores.reshape(batch, q_heads, max_tokens)
-    return DecodeAttention(out, lse, scores)
+    return DecodeAttention(out if values else None, lse, scores)

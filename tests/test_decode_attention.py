@@ -286,6 +286,7 @@ def _valid_args(**over):
     ({}, dict(pages_per_blok=2), TypeError, r"pages_per_blok"),
     ({}, dict(kv_heads=jnp.ones((3,), bool)), ValueError, r"kv_heads bool\[3\]"),
     ({}, dict(kv_heads=jnp.ones((2,), jnp.float32)), ValueError, r"kv_heads float32\[2\]"),
+    ({}, dict(values=False), ValueError, r"values=False .* needs a score, got score=None"),
 ])
 def test_bad_inputs_raise_clear_errors(over, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -332,6 +333,58 @@ def test_lowers_for_cuda(head_dim, page_size, dtype, group, score, masked):
     assert "triton" in hlo
 
 
+def assert_scores_pass_matches(args, *, score, interpret, kv_heads=None, **tuning):
+    """The scores pass alone (values=False): out None, lse and scores those of the full pass
+    (the same kernel arithmetic; XLA fuses the pooling epilogue differently without the
+    output: up to 2e-6 relative on an H100, 10x under the kernel-vs-reference tolerance),
+    for the kernel and the reference alike."""
+    if kv_heads is not None:
+        kv_heads = jnp.asarray(kv_heads)
+    run = lambda **kw: paged_decode_attention(*args, score=score, kv_heads=kv_heads,  # noqa: E731
+                                              **kw)
+    full = run(backend="pallas", interpret=interpret, **tuning)
+    alone = run(backend="pallas", interpret=interpret, values=False, **tuning)
+    want = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads)
+    want_alone = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads,
+                                                  values=False)
+    for got, ref in ((alone, full), (want_alone, want)):
+        assert got.out is None
+        np.testing.assert_allclose(got.lse, ref.lse, rtol=1e-5, atol=0)
+        np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("cfg,score,dtype,opts", [c for c in CORNERS if c[1] is not None])
+def test_scores_pass_alone_equals_the_full_pass(cfg, score, dtype, opts, interpret):
+    """Kascade's sparse anchors read K only; the pass must not change what it selects by."""
+    args = make_case(11, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    assert_scores_pass_matches(args, score=score, interpret=interpret, **opts)
+
+
+def test_scores_pass_alone_negative_control(interpret):
+    """The check above sees a different pass: scores of another query differ."""
+    cfg, score, dtype, opts = CORNERS[2]
+    args = make_case(11, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    other = (args[0][::-1],) + args[1:]
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(
+            paged_decode_attention(*other, score=score, values=False, backend="pallas",
+                                   interpret=interpret, **opts).scores,
+            paged_decode_attention(*args, score=score, backend="pallas", interpret=interpret,
+                                   **opts).scores, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("score", SCORES[1:])
+def test_scores_pass_lowers_for_cuda(score):
+    S = jax.ShapeDtypeStruct
+    kv_heads, batch, max_pages, page_size = 8, 64, 64, 16
+    cache = S((batch * max_pages, kv_heads, page_size, 128), jnp.bfloat16)
+    args = (S((batch, 4 * kv_heads, 128), jnp.bfloat16), cache, cache,
+            S((batch, max_pages), jnp.int32), S((batch,), jnp.int32))
+    hlo = lower_for_cuda(lambda *a: paged_decode_attention(
+        *a, score=score, values=False, backend="pallas", interpret=False), *args)
+    assert "triton" in hlo
+
+
 def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
     """The rule the selecting layers' benchmark measured (B=64, 8 KV heads, D=128 bf16)."""
     shape = (8, 128, 16, 8192, jnp.bfloat16)
@@ -371,6 +424,8 @@ def test_native_gpu_moderate_size(dtype, head_dim, group):
     args = (q, k, v, page_table, jnp.asarray(lengths, jnp.int32))
     for score in SCORES:
         assert_matches_reference(args, score=score, dtype=dtype, interpret=False)
+        if score is not None:
+            assert_scores_pass_matches(args, score=score, interpret=False)
     auto = paged_decode_attention(*args, score="max_heads")
     pallas = paged_decode_attention(*args, score="max_heads", backend="pallas", interpret=False)
     for a, b in zip(auto, pallas):
