@@ -16,6 +16,11 @@ Llama-3.1-8B layer shapes (32 query / 8 KV heads, d=128), bf16, page 16, B=64, c
               with them), 27 at the reuse layer's; its speedup over cuDNN, and the bound
               32 / (5 + 27 r) that an anchor as cheap as our dense layer would give (r = reuse
               over our dense layer).
+  kascade_sparse_anchor  an anchor of `Kascade(sparse_anchors=True)` after layer 0, as the
+              paper runs it: the scores pass without V (also alone, _scores), the top-k,
+              attention over that top-k
+  kascade_weighted_sparse_anchors  the paper's weighting of its Table 3: 1/32 anchor layer 0
+              (the dense anchor above), 4/32 sparse anchors, 27/32 reuse.
 The paper's decode rows (H100, fp16, vs FlashAttention-3) are in the JSON beside ours.
 Results: results/selecting_layers.json on an H200, results/selecting_layers_<gpu>.json on any
 other GPU (selecting_layers_h100.json on an H100), so each GPU's table keeps its own rows.
@@ -129,6 +134,19 @@ def reuse_layer(q, k, v, table, lengths, indices, count, *, unit):
     return sparse_decode_attention(q, k, v, table, lengths, indices, count, unit=unit).out
 
 
+def sparse_anchor_scores(q, k, v, table, lengths, *, plan):
+    return paged_decode_attention(q, k, v, table, lengths, values=False,
+                                  score=kernel_score(plan.selector))
+
+
+def sparse_anchor_layer(q, k, v, table, lengths, *, plan, config):
+    """What `Kascade(sparse_anchors=True)` runs at an anchor after layer 0 (a SELF layer, the
+    paper's passes): the scores without V, the top-k, attention over that top-k."""
+    r = sparse_anchor_scores(q, k, v, table, lengths, plan=plan)
+    sel = select(plan, config, r.scores, lengths, table.shape[1] * k.shape[2])
+    return reuse_layer(q, k, v, table, lengths, sel.indices, sel.count, unit=plan.selector.unit)
+
+
 def context_rows(cfg, rows, batch, context, smoke):
     config = ModelConfig(**cfg["layer"])
     time = timer(smoke)
@@ -183,6 +201,19 @@ def context_rows(cfg, rows, batch, context, smoke):
                             paper=None if paper is None else dict(zip(
                                 ("fa3_ms", "anchor0_ms", "anchor_ms", "reuse_ms",
                                  "speedup_vs_fa3"), paper))))
+            # sparse anchors (the paper's layout): layer 0 as above, the other 4 anchors
+            # attend to their own top-k after a scores pass without V
+            sparse_times = {
+                "kascade_sparse_anchor": time(jax.jit(functools.partial(
+                    sparse_anchor_layer, plan=plan, config=config)), *args),
+                "kascade_sparse_anchor_scores": time(jax.jit(functools.partial(
+                    sparse_anchor_scores, plan=plan)), *args)}
+            for case, ms in sparse_times.items():
+                rows.append(row(case, ms=ms, ratio=ratio, ratio_to_dense=round(ms / dense, 3)))
+            weighted = (anchor + (ANCHORS - 1) * sparse_times["kascade_sparse_anchor"] +
+                        (LAYERS - ANCHORS) * reuse) / LAYERS
+            rows.append(row("kascade_weighted_sparse_anchors", ms=weighted, ratio=ratio,
+                            speedup_vs_cudnn=round(peer / weighted, 3)))
     del args
     gc.collect()
 

@@ -189,15 +189,16 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
              methods=None, seed: int = 0, batch: int = 8, model_dir=None, vocab=None,
              timing: bool = True, repeats: int = 3, calibrated: bool = True,
              progress=log.info, correct_every: int | None = None,
-             sparse_prefill: bool = False, draft_tokens: int = DRAFT_TOKENS) -> dict:
+             sparse_prefill: bool = False, sparse_anchors: bool = False,
+             draft_tokens: int = DRAFT_TOKENS) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
     model, with what ships beside it (`methods.fitted_beside`; the calibration unless
     `calibrated` is False), or `methods(ratio) -> {name: method}` for any others; a name
     ending in '+spec' runs lossless mode, its method drafting `draft_tokens` per round.
-    `correct_every` and `sparse_prefill` (Kascade's) apply to every method they concern:
-    none in lossless mode, whose output is dense decoding's."""
+    `correct_every`, `sparse_prefill` and `sparse_anchors` (Kascade's) apply to every method
+    they concern: none in lossless mode, whose output is dense decoding's."""
     from sparsejax.train import data
 
     if not (isinstance(draft_tokens, int) and draft_tokens >= 1):
@@ -211,7 +212,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
            "lychee_retrieval_heads": "shipped gates" if fitted.retrieval_heads is not None else
            "random (no gates shipped with the model)",
            "calibrated": sorted(fitted.calibration), "correct_every": correct_every,
-           "sparse_prefill": sparse_prefill,
+           "sparse_prefill": sparse_prefill, "sparse_anchors": sparse_anchors,
            "timing": {"warmup_runs": 1, "repeats": repeats, "statistic": "median"} if timing
            else None, "results": []}
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
@@ -221,9 +222,11 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
         for name, method in chosen.items():
             lossless = name.endswith(SPEC)
             label = name  # names the options that changed the run
-            if sparse_prefill and isinstance(method, M.Kascade) and not lossless:
-                method = dataclasses.replace(method, sparse_prefill=True)
-                label += "+sparse_prefill"
+            for option, wanted in (("sparse_prefill", sparse_prefill),
+                                   ("sparse_anchors", sparse_anchors)):
+                if wanted and isinstance(method, M.Kascade) and not lossless:
+                    method = dataclasses.replace(method, **{option: True})
+                    label += f"+{option}"
             if correct_every and not (lossless or isinstance(method, M.Dense)):
                 label += f"+correct{correct_every}"
             t0 = time.perf_counter()
@@ -364,6 +367,9 @@ def add_parser(sub) -> None:
                    help="cache correction: re-run every N generated tokens densely "
                    "(default: off)")
     p.add_argument("--sparse-prefill", action="store_true", help="Kascade's sparse prefill")
+    p.add_argument("--sparse-anchors", action="store_true",
+                   help="Kascade's anchors after layer 0 attend to their own top-k (the paper's "
+                   "decode passes) instead of densely")
     p.add_argument("--json", default=None, help="write the results here (default: not written)")
     p.add_argument("--plot", default=None,
                    help="write the accuracy/recall/error/speed plot here, PNG "
@@ -428,7 +434,8 @@ def run(args) -> int:
                    batch=args.batch, model_dir=model_dir, vocab=vocab,
                    timing=not args.no_timing, repeats=args.repeats,
                    calibrated=not args.no_calibration, correct_every=args.correct_every,
-                   sparse_prefill=args.sparse_prefill, draft_tokens=gamma)
+                   sparse_prefill=args.sparse_prefill, sparse_anchors=args.sparse_anchors,
+                   draft_tokens=gamma)
     print(table(doc))
     if not args.no_timing and speed_note():
         print(speed_note())

@@ -98,7 +98,7 @@ def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, p
         return paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens, tile=tile,
                                        indices=sel.indices, count=sel.count).out, None
     out, lse = paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens)
-    if role != Role.SELECT:
+    if role not in (Role.SELECT, Role.SELF):   # Kascade's anchors, sparse ones included
         return out, None
     with jax.named_scope("select_tiles"):
         scores = paged_tile_scores(q, k_pages, table, start, num_tokens, lse, tile=tile)

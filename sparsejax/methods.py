@@ -271,6 +271,9 @@ class Kascade:
     pooled_all_heads: bool = False
     sparse_prefill: bool = False  # the rolling per-tile top-k prefill (Kascade §3.6)
     prefill_tile: int = 128
+    # decode: the anchors after layer 0 attend only to their own top-k (Kascade §3.6's passes:
+    # scores without V, top-k, top-k attention) rather than densely
+    sparse_anchors: bool = False
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
@@ -318,7 +321,11 @@ class Kascade:
                                  f"KV head indices in [0, {HK})")
         groups = "shared" if self.pooled_all_heads else "kv"
         score = Score.ALL_HEADS_SUM if self.pooled_all_heads else Score.GROUP_SUM
-        return SparsePlan("kascade", _roles(L, (), anchors), _page_size("Kascade", None, page_size),
+        roles = _roles(L, (), anchors)
+        if self.sparse_anchors:     # layer 0 stays dense and selecting
+            roles = tuple(Role.SELF if r == Role.SELECT and i > 0 else r
+                          for i, r in enumerate(roles))
+        return SparsePlan("kascade", roles, _page_size("Kascade", None, page_size),
                           Selector(score, 1, groups, Ratio(self.ratio, self.min_k)),
                           head_map=None if self.pooled_all_heads else head_map,
                           prefill_tile=self.prefill_tile if self.sparse_prefill else None)

@@ -155,18 +155,18 @@ def covered_positions(sel: Selection, unit: int, limit: jax.Array, num_heads: in
 
 # ---- scores computed before attention (SELF layers) -----------------------------------------
 def pre_attention_scores(plan: SparsePlan, at):
-    """Scores a SELF layer selects from; `at` is the layer's `stack.LayerContext`."""
+    """Scores a SELF layer selects from; `at` is the layer's `stack.LayerContext`. The
+    attention-based scores (oracle top-k, Kascade's sparse anchors) come from the dense
+    kernel's scores pass alone: K is read, V is not."""
     s = plan.selector
-    if s.score == Score.HEAD_PROBS:     # oracle: the layer's own exact attention
-        return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                                      score=Score.HEAD_PROBS).scores
     if s.score == Score.QUEST_BOUND:
         # the per-layer bounds index physical pages without the layer offset: layer 0's table
         return quest_bound(at.q, at.state.kmin[at.layer], at.state.kmax[at.layer],
                            at.step.page_table, at.step.lengths, plan.page_size)
     if s.score == Score.NONE:
         return None
-    raise ValueError(f"score={s.score!r} needs dense attention: use a SELECT layer")
+    return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
+                                  score=kernel_score(s), values=False).scores
 
 
 def quest_bound(q, kmin, kmax, page_table, lengths, page_size):

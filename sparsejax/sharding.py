@@ -414,7 +414,8 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         if role in (Role.DENSE, Role.SELECT):
             return out, carried, None
         # what the heads attended to, in the global view (for diagnostics)
-        attended = Attended(carried, at.step.head_map[at.layer] if s.groups == "kv" else None,
+        attended = Attended(carried, at.step.head_map[at.layer]
+                            if s.groups == "kv" and role != Role.SELF else None,
                             at.step.retrieval[at.layer] if role == Role.HYBRID else None)
         return out, carried, attended
 

@@ -146,7 +146,8 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if role == Role.SELECT:
         r = _dense(at, score=selection.kernel_score(s))
         return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
-    head_map = at.step.head_map[at.layer] if s.groups == "kv" else None
+    # a SELF layer attends to its own fresh selection: no head map
+    head_map = at.step.head_map[at.layer] if s.groups == "kv" and role != Role.SELF else None
     dense_heads = None
     dense_out = None
     if role == Role.SELF:

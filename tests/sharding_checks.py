@@ -67,6 +67,9 @@ def all_methods(kv_heads: int) -> dict:
         "kascade": methods.Kascade(anchor_layers=(0, 1), ratio=0.25, min_k=4, head_map=head_map),
         "kascade_pooled": methods.Kascade(anchor_layers=(0, 1), ratio=0.25, min_k=4,
                                           pooled_all_heads=True),
+        # layer 1 attends to its own top-k (a SELF layer: the scores pass without V)
+        "kascade_sparse_anchors": methods.Kascade(anchor_layers=(0, 1), ratio=0.25, min_k=4,
+                                                  head_map=head_map, sparse_anchors=True),
         "lychee": lychee,
         "quest": methods.Quest(page_size=8, token_budget=16, dense_layers=1),
         "tidal": methods.TidalDecode(dense_layers=(0,), select_layers=(1,), k=12),
@@ -111,7 +114,7 @@ RUNS = [
     (4, "model=8", lambda: mesh(8), ALL),
     (4, "data=2,model=2 explicit", lambda: mesh(2, 2, AxisType.Explicit), ALL),
     (4, "model=4", lambda: mesh(4), ("kascade",)),
-    (2, "model=8", lambda: mesh(8), ("kascade",)),
+    (2, "model=8", lambda: mesh(8), ("kascade", "kascade_sparse_anchors")),
     (2, "model=2", lambda: mesh(2), ("delta",)),
     (2, "model=1", lambda: mesh(1), ("dense", "delta")),
 ]

@@ -84,6 +84,27 @@ def test_evaluate(model, tmp_path):
     assert "delta+resa" in evaluation.table(doc)
 
 
+def test_kascade_options_apply_to_kascade_only(model):
+    """--sparse-prefill / --sparse-anchors change the Kascade rows (named after them) and
+    nothing else; with sparse anchors its anchors after layer 0 attend sparsely, so their
+    recall drops below the dense anchors' 1."""
+    doc = evaluation.evaluate(model, tasks=("niah",), context=CONTEXT, samples=2,
+                              method_names=["delta", "kascade"], ratios=[0.1], batch=2,
+                              timing=False, sparse_anchors=True, sparse_prefill=True,
+                              progress=lambda s: None)
+    rows = {r["method"]: r for r in doc["results"]}
+    assert set(rows) == {"delta", "kascade+sparse_prefill+sparse_anchors"}
+    assert doc["sparse_anchors"] and doc["sparse_prefill"]
+    plain = evaluation.evaluate(model, tasks=("niah",), context=CONTEXT, samples=2,
+                                method_names=["kascade"], ratios=[0.1], batch=2,
+                                timing=False, progress=lambda s: None)["results"][0]
+    anchors = M.Kascade().scaled_to(model.config.num_layers).anchor_layers
+    later = [a for a in anchors if a > 0]
+    sparse = rows["kascade+sparse_prefill+sparse_anchors"]
+    assert all(plain["recall_per_layer"][a] == pytest.approx(1.0) for a in later)
+    assert all(sparse["recall_per_layer"][a] < 1 for a in later)
+
+
 def test_lossless_rows_score_dense_accuracy_and_the_acceptance_of_generate():
     """StreamingLLM at a tenth of a 192-token prompt loses the needle; drafting for dense
     attention it keeps dense's accuracy, and its acceptance is what generate counts."""

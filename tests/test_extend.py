@@ -8,7 +8,7 @@ import sparsejax
 from sparsejax import cache as kv
 from sparsejax import methods
 from sparsejax.extend import extend
-from sparsejax.plan import as_plan, dense_plan
+from sparsejax.plan import Role, as_plan, dense_plan
 
 from hf_checkpoints import build
 from test_generate import ragged
@@ -201,6 +201,13 @@ def test_kascade_sparse_prefill_full_ratio_is_dense(checkpoints):
         got, cache = prefill(model, empty, ids, lengths, plan=plan, chunk=8)
         err = np.abs(np.asarray(got) - np.asarray(want)).max()
         assert (err <= 1e-4) == close, (ratio, err)
+        # sparse anchors change decode only: their anchors select tiles in prefill as before
+        sparse_anchors = as_plan(methods.Kascade(anchor_layers=(0, 1), ratio=ratio, min_k=0,
+                                                 sparse_prefill=True, prefill_tile=4,
+                                                 sparse_anchors=True), model.config, 4)
+        assert sparse_anchors.roles[1] == Role.SELF
+        np.testing.assert_array_equal(
+            prefill(model, empty, ids, lengths, plan=sparse_anchors, chunk=8)[0], got)
         if close:
             assert_same_cache(cache, want_cache, lengths)
     with pytest.raises(ValueError, match="chunk=6: expected a multiple"):

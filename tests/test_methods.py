@@ -27,6 +27,8 @@ def full_budget_methods(page_size: int, capacity: int):
         "delta": M.DELTA(delta_layers=(2, 4), page_size=page_size,
                          budget_pages=math.ceil(capacity / page_size), recent_pages=1),
         "kascade": M.Kascade(anchor_layers=(0, 3), ratio=1.0, head_map=HEAD_MAP),
+        "kascade-sparse-anchors": M.Kascade(anchor_layers=(0, 3), ratio=1.0, head_map=HEAD_MAP,
+                                            sparse_anchors=True),
         "lychee": M.Lychee(RETRIEVAL, budget=M.TopK(capacity), sinks=4, recent=8),
         "lychee-blocks": M.Lychee(RETRIEVAL, budget=M.TopK(capacity), block=2 * page_size),
     }
@@ -139,6 +141,35 @@ def test_kascade_tokens_per_kv_head_with_head_map(model, prompts):
             np.testing.assert_allclose(diag["recall"][reuse, b], recall, rtol=1e-5)
 
 
+def test_kascade_sparse_anchor_attends_to_its_own_top_k(model, prompts):
+    """An anchor after layer 0 selects from its own group-summed probabilities (the scores
+    pass without V) and attends only to that set; its reuse layer reads it through the head
+    map; layer 0 stays dense."""
+    method = M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=20, head_map=HEAD_MAP,
+                       sparse_anchors=True)
+    plan, diag, keys = one_step(model, prompts, method)
+    assert plan.roles[0] == Role.SELECT and plan.roles[3] == Role.SELF
+    length = LENGTHS + 1
+    g = CFG.num_heads // CFG.num_kv_heads
+    np.testing.assert_allclose(diag["recall"][0], 1.0, atol=1e-6)
+    for b in range(3):
+        p, _ = probs(diag["query"][3, b], keys[3, b], length[b])
+        budget = min(max(int(0.1 * length[b]), 20), length[b])
+        sets = [np_select(p[h * g:(h + 1) * g].sum(0), budget, length[b])
+                for h in range(CFG.num_kv_heads)]
+        for h in range(CFG.num_kv_heads):
+            assert selected(diag, 3, b, h) == sets[h]        # the anchor's own set
+            assert selected(diag, 4, b, h) == sets[h]        # carried to the reuse layer
+        # the anchor's heads attend to their own group's set: its recall is that set's mass
+        recall = np.mean([p[i, sets[i // g]].sum() for i in range(CFG.num_heads)])
+        np.testing.assert_allclose(diag["recall"][3, b], recall, rtol=1e-5)
+        assert recall < 1 - 1e-6
+        q_probs, _ = probs(diag["query"][4, b], keys[4, b], length[b])
+        recall = np.mean([q_probs[i, sets[HEAD_MAP[4, i // g]]].sum()
+                          for i in range(CFG.num_heads)])
+        np.testing.assert_allclose(diag["recall"][4, b], recall, rtol=1e-5)
+
+
 def test_lychee_inherits_per_head_index(model, prompts):
     method = M.Lychee(RETRIEVAL, budget=M.TopK(24), sinks=4, recent=8)
     plan, diag, keys = one_step(model, prompts, method)
@@ -206,6 +237,8 @@ def small_budget_methods():
         "quest": M.Quest(token_budget=32), "tidal": M.TidalDecode(select_layers=(2, 4), k=24),
         "delta": M.DELTA(delta_layers=(2, 4), budget_pages=2, recent_pages=1),
         "kascade": M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=0, head_map=HEAD_MAP),
+        "kascade-sparse-anchors": M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=0,
+                                            head_map=HEAD_MAP, sparse_anchors=True),
         "lychee": M.Lychee(RETRIEVAL, budget=M.TopK(24), sinks=4, recent=4),
         "lychee-ratio": M.Lychee(RETRIEVAL, budget=M.Ratio(0.1), sinks=2, recent=4),
         "lychee-top-p": M.Lychee(RETRIEVAL, budget=M.TopP(0.5), sinks=2, recent=4),

@@ -52,6 +52,9 @@ def drafter(name: str, page_size: int, num_layers: int):
                                         budget_pages=1, recent_pages=1)
     if name == "kascade":
         return M.Kascade.from_calibration(calib / "kascade.json", ratio=0.15, min_k=0)
+    if name == "kascade-sparse-anchors":
+        return M.Kascade.from_calibration(calib / "kascade.json", ratio=0.15, min_k=0,
+                                          sparse_anchors=True)
     if name == "lychee":
         return M.Lychee(gates=PATH / "gates" / "target-4.json", budget=M.TopK(24), sinks=4,
                         recent=8)
@@ -69,7 +72,7 @@ def drafter(name: str, page_size: int, num_layers: int):
 CASES = ([("quest", g, p) for g, p in ((1, 16), (3, 64), (8, 16))]
          + [("dense", 3, 16), ("oracle", 1, 64), ("streaming", 8, 16), ("tidal", 3, 16),
             ("delta", 8, 64), ("kascade", 1, 16), ("lychee", 3, 64), ("kascade+resa", 8, 16),
-            ("delta+resa-fold", 8, 64)])
+            ("delta+resa-fold", 8, 64), ("kascade-sparse-anchors", 3, 64)])
 
 
 @pytest.fixture(scope="module")
