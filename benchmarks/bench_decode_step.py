@@ -3,7 +3,8 @@
     python benchmarks/bench_decode_step.py            # GPU: every method + the HF peer
     python benchmarks/bench_decode_step.py --smoke    # CPU: a tiny config, logic only
 
-B=64, contexts 4k and 16k, bf16: Dense, DELTA (defaults), RESA(DELTA), Kascade (5 anchors),
+B=64, contexts 4k and 16k, bf16: Dense, DELTA (defaults), RESA(DELTA), Kascade (5 anchors; and
+with sparse_anchors),
 Lychee (4 of 56 heads retrieval incl. layer 0's two, TopK(1024)). The cache is filled with
 random K/V (a decode step's cost does not depend on what the keys say) and donated, so each
 timed step updates it in place. Peer: HF transformers (PyTorch, SDPA, static cache, eager)
@@ -13,6 +14,7 @@ Floor: the bytes a dense step must read (weights + the K/V of every layer) / 4.8
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,6 +44,7 @@ def methods_for(config):
     delta = M.DELTA().scaled_to(config.num_layers) if small else M.DELTA()
     kascade = M.Kascade().scaled_to(config.num_layers) if small else M.Kascade()
     return {"dense": M.Dense(), "delta": delta, "delta+resa": M.RESA(delta), "kascade": kascade,
+            "kascade+sparse_anchors": dataclasses.replace(kascade, sparse_anchors=True),
             "lychee": M.Lychee(retrieval, budget=M.TopK(1024))}
 
 
