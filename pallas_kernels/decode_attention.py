@@ -100,6 +100,8 @@ def _decode_kernel(
         kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
+        if values:
+            v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         if score == "mean_query":
@@ -115,7 +117,6 @@ def _decode_kernel(
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         if values:
-            v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
             acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
         return acc, m_new, l, next_page_ids
 
