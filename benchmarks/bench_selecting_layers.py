@@ -115,8 +115,9 @@ def cudnn_ms(shape, context, smoke):
     return ms
 
 
-def scores_of(q, k, v, table, lengths, *, plan):
-    return paged_decode_attention(q, k, v, table, lengths, score=kernel_score(plan.selector))
+def scores_of(q, k, v, table, lengths, *, plan, values=True):
+    return paged_decode_attention(q, k, v, table, lengths, score=kernel_score(plan.selector),
+                                  values=values)
 
 
 def selection_of(scores, lengths, *, plan, config, capacity):
@@ -134,15 +135,10 @@ def reuse_layer(q, k, v, table, lengths, indices, count, *, unit):
     return sparse_decode_attention(q, k, v, table, lengths, indices, count, unit=unit).out
 
 
-def sparse_anchor_scores(q, k, v, table, lengths, *, plan):
-    return paged_decode_attention(q, k, v, table, lengths, values=False,
-                                  score=kernel_score(plan.selector))
-
-
 def sparse_anchor_layer(q, k, v, table, lengths, *, plan, config):
     """What `Kascade(sparse_anchors=True)` runs at an anchor after layer 0 (a SELF layer, the
     paper's passes): the scores without V, the top-k, attention over that top-k."""
-    r = sparse_anchor_scores(q, k, v, table, lengths, plan=plan)
+    r = scores_of(q, k, v, table, lengths, plan=plan, values=False)
     sel = select(plan, config, r.scores, lengths, table.shape[1] * k.shape[2])
     return reuse_layer(q, k, v, table, lengths, sel.indices, sel.count, unit=plan.selector.unit)
 
@@ -174,9 +170,9 @@ def context_rows(cfg, rows, batch, context, smoke):
             kernels = {}
             if name == "kascade" and ratio == cfg["ratios"][0] and not smoke:
                 # where the anchor's time goes: ms per kernel of each half (profiler)
-                kernels = {f"{name}_scores": harness.profile(functools.partial(scoring, *args))["top"],
-                           f"{name}_select": harness.profile(
-                               functools.partial(selecting, scores, args[4]))["top"]}
+                kernels = {f"{name}_scores": functools.partial(scoring, *args),
+                           f"{name}_select": functools.partial(selecting, scores, args[4])}
+                kernels = {case: harness.profile(fn)["top"] for case, fn in kernels.items()}
             del scores
             for case, ms in times.items():
                 rows.append(row(case, ms=ms, ratio=ratio, score=str(plan.selector.score),
@@ -207,7 +203,7 @@ def context_rows(cfg, rows, batch, context, smoke):
                 "kascade_sparse_anchor": time(jax.jit(functools.partial(
                     sparse_anchor_layer, plan=plan, config=config)), *args),
                 "kascade_sparse_anchor_scores": time(jax.jit(functools.partial(
-                    sparse_anchor_scores, plan=plan)), *args)}
+                    scores_of, plan=plan, values=False)), *args)}
             for case, ms in sparse_times.items():
                 rows.append(row(case, ms=ms, ratio=ratio, ratio_to_dense=round(ms / dense, 3)))
             weighted = (anchor + (ANCHORS - 1) * sparse_times["kascade_sparse_anchor"] +

@@ -232,3 +232,10 @@ class Attended(NamedTuple):
     sel: Selection
     head_map: jax.Array | None
     dense_heads: jax.Array | None
+
+
+def attended_head_map(role: Role, selector: Selector, head_map_row):
+    """The head map a sparse layer reads its selection through: the layer's row for per-KV-head
+    selections carried from an earlier layer; none for shared or per-query-head ones, nor for
+    a SELF layer's own fresh selection."""
+    return head_map_row if selector.groups == "kv" and role != Role.SELF else None

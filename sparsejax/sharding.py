@@ -31,7 +31,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from sparsejax.cache import PagedKVCache, replicate_kv_heads
 from sparsejax.models import Model, ModelConfig, split_layer
-from sparsejax.plan import Attended, Role, Selection
+from sparsejax.plan import Attended, Role, Selection, attended_head_map
 
 MODEL, DATA = "model", "data"
 
@@ -414,8 +414,7 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         if role in (Role.DENSE, Role.SELECT):
             return out, carried, None
         # what the heads attended to, in the global view (for diagnostics)
-        attended = Attended(carried, at.step.head_map[at.layer]
-                            if s.groups == "kv" and role != Role.SELF else None,
+        attended = Attended(carried, attended_head_map(role, s, at.step.head_map[at.layer]),
                             at.step.retrieval[at.layer] if role == Role.HYBRID else None)
         return out, carried, attended
 

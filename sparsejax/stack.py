@@ -30,7 +30,7 @@ from sparsejax.models import (Model, attention_inputs, attention_projection, fin
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
-from sparsejax.plan import Attended, Role, Score, Selection, SparsePlan
+from sparsejax.plan import Attended, Role, Score, Selection, SparsePlan, attended_head_map
 
 
 class StepContext(NamedTuple):
@@ -146,8 +146,7 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if role == Role.SELECT:
         r = _dense(at, score=selection.kernel_score(s))
         return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
-    # a SELF layer attends to its own fresh selection: no head map
-    head_map = at.step.head_map[at.layer] if s.groups == "kv" and role != Role.SELF else None
+    head_map = attended_head_map(role, s, at.step.head_map[at.layer])
     dense_heads = None
     dense_out = None
     if role == Role.SELF:
