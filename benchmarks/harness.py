@@ -80,17 +80,26 @@ def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
 
     Host dispatch of one executable costs ~0.03-0.05 ms on the benchmark machines, as much as
     the smallest sparse kernels: `time_ms` of back-to-back calls then measures the host, and
-    only device-side timing sees the kernel. Each kernel (or memcpy/memset) name's median
-    duration times its launches per call, summed over names; gaps between the launches of
-    one call are not counted.
+    only device-side timing sees the kernel. Per kernel (or memcpy/memset) name and launch
+    within a call (the i-th of that name: the chunks of a prefill share a name but not their
+    work), the median over calls, summed; a name whose launches do not divide evenly into the
+    calls counts its median duration times its launches per call. Gaps between the launches
+    of one call are not counted.
     """
     events, _ = _gpu_events(lambda: fn(*args), calls, warmup)
     if not events:
         raise RuntimeError("the profiler recorded no GPU activity (needs a GPU and CUPTI)")
     durations: dict[str, list[float]] = {}
-    for name, _, duration in events:
+    for name, _, duration in sorted(events, key=lambda e: e[1]):
         durations.setdefault(name, []).append(duration)
-    return sum(statistics.median(d) * len(d) for d in durations.values()) / calls / 1e6
+    total = 0.0
+    for d in durations.values():
+        per_call, extra = divmod(len(d), calls)
+        if per_call and not extra:
+            total += sum(statistics.median(d[i::per_call]) for i in range(per_call))
+        else:
+            total += statistics.median(d) * len(d) / calls
+    return total / 1e6
 
 
 KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
