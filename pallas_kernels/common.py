@@ -57,6 +57,11 @@ def use_backend(backend: str):
         _auto_override.pop()
 
 
+def backend_overridden() -> bool:
+    """Whether a `use_backend` block decides what "auto" means."""
+    return bool(_auto_override)
+
+
 def resolve_backend(backend: str) -> str:
     """'auto' -> 'pallas' on GPU, 'reference' elsewhere (or what `use_backend` says)."""
     if backend not in BACKENDS:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
+from sparsejax.pallas_kernels import prefill_attention
 from sparsejax.pallas_kernels.prefill_attention import (
     PrefillAttention, paged_prefill_attention, paged_prefill_attention_reference,
     paged_tile_scores, paged_tile_scores_reference)
@@ -125,6 +126,50 @@ def test_dense_matches_reference(cfg, tuning, interpret):
     got = paged_prefill_attention(*args, backend="pallas", interpret=interpret, **tuning)
     assert_matches(got, paged_prefill_attention_reference(*args), cfg["dtype"])
     assert not np.any(np.isnan(np.asarray(got.out, np.float32)))
+
+
+def contiguous_attention(q, k, v, q_len, kv_len, *, causal, sm_scale):
+    """float32 jnp stand-in for cuDNN's padded attention (the first q_len queries over the
+    first kv_len keys, top-left causal) -> (out, lse [B, T, HQ])."""
+    batch, chunk, q_heads, head_dim = q.shape
+    span, kv_heads = k.shape[1:3]
+    qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
+    s = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST) * sm_scale
+    i, j = jnp.arange(chunk)[:, None], jnp.arange(span)[None, :]
+    keep = (j < kv_len[:, None, None]) & (i < q_len[:, None, None])  # [B, T, S]
+    if causal:
+        keep = keep & (j <= i)
+    keep = keep[:, None, None]
+    lse = jax.nn.logsumexp(jnp.where(keep, s, -jnp.inf), axis=-1)
+    p = jnp.where(keep, jnp.exp(s - lse[..., None]), 0.0)
+    out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(q.shape), lse.transpose(0, 3, 1, 2).reshape(batch, chunk, q_heads)
+
+
+@pytest.mark.parametrize("cfg", [cfg for cfg, _ in CASES])
+def test_split_prefill_matches_reference(cfg):
+    """cuDNN's path (the chunk over its own keys and over the cache before it, merged by LSE)
+    with a jnp attention in cuDNN's place: every case of the kernel test, NaN in unwritten
+    slots and invalid page ids included."""
+    args = make_case(1, **cfg)
+    got = prefill_attention._prefill_split(*args, sm_scale=cfg["head_dim"] ** -0.5,
+                                           attend=contiguous_attention)
+    assert_matches(got, paged_prefill_attention_reference(*args), cfg["dtype"])
+
+
+def test_auto_backend_picks_cudnn_for_long_dense_chunks():
+    q = jnp.zeros((1, prefill_attention.CUDNN_MIN_CHUNK, 8, 128), jnp.bfloat16)
+    k = jnp.zeros((4, 2, 16, 128), jnp.bfloat16)
+    choose = prefill_attention._choose_backend
+    if jax.default_backend() != "gpu":
+        assert choose("auto", q, k, None) == "reference"
+        return
+    assert choose("auto", q, k, None) == "cudnn"
+    assert choose("auto", q[:, :-1], k, None) == "pallas"          # a short chunk
+    assert choose("auto", q, k, jnp.zeros((1, 4, 2, 3), jnp.int32)) == "pallas"   # sparse
+    assert choose("auto", q.astype(jnp.float32), k.astype(jnp.float32), None) == "pallas"
 
 
 @pytest.mark.parametrize("cfg,tile,k_max,tuning", [
@@ -275,6 +320,11 @@ def _valid_args(**over):
     ({}, dict(backend="pallas", indices=jnp.zeros((2, 1, 2, 5), jnp.int32), tile=8,
               count=jnp.zeros((2, 1, 2), jnp.int32), block_q=16), r"block_q=16 must divide"),
     ({}, dict(backend="gpu"), r"backend='gpu'"),
+    ({}, dict(backend="cudnn", indices=jnp.zeros((2, 1, 2, 5), jnp.int32),
+              count=jnp.zeros((2, 1, 2), jnp.int32)), r"backend='cudnn': the sparse variant"),
+    (dict(q=((2, 4, 8, 64), jnp.float32), k_pages=((6, 2, 16, 64), jnp.float32),
+          v_pages=((6, 2, 16, 64), jnp.float32)),
+     dict(backend="cudnn"), r"backend='cudnn': q\.dtype=float32: cuDNN takes bfloat16"),
 ])
 def test_bad_inputs_raise_clear_errors(over, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -327,3 +377,15 @@ def test_native_gpu_long_chunk():
                                 dtype=jnp.bfloat16, head_dim=128, group=4))
     got = paged_prefill_attention(*args, backend="pallas", interpret=False)
     assert_matches(got, paged_prefill_attention_reference(*args), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+def test_native_gpu_cudnn():
+    """cuDNN's path natively: a long chunk deep in the cache, ragged, and a row starting at 0."""
+    args = make_case(9, **_case(1000, [0, 3000], [1000, 777], page_size=16,
+                                dtype=jnp.bfloat16, head_dim=128, group=4))
+    got = paged_prefill_attention(*args, backend="cudnn")
+    assert_matches(got, paged_prefill_attention_reference(*args), jnp.bfloat16)
+    auto = paged_prefill_attention(*args)   # picks cuDNN: a dense bf16 chunk of 1000 queries
+    np.testing.assert_array_equal(np.asarray(auto.out, np.float32),
+                                  np.asarray(got.out, np.float32))
