@@ -288,7 +288,7 @@ def test_prior_bound(interpret, bound, path):
 
 def test_default_split_rule():
     """The default tuning at the benchmark shapes (B=64, 8 KV heads, D=128): one split (the
-    direct path) when the row groups fill the GPU and the stream is short, else even splits
+    direct path) when the row groups fill the GPU, however long the stream, else even splits
     no longer than 2048 tokens; dense heads capped at 128 splits; always whole steps."""
     def splits(row_groups, sparse, dense=0, head_dim=128):
         t = default_tuning(head_dim, row_groups, sparse, dense)
@@ -297,9 +297,11 @@ def test_default_split_rule():
 
     assert splits(512, 64 * 16) == (1, 1024)  # DELTA: 64 pages of 16
     assert splits(512, 819)[0] == 1  # Kascade 8k
-    n, split = splits(512, 3276)  # Kascade 32k: even pieces, no short last split
-    assert n > 1 and split * (n - 1) < 3276 <= split * n and 3276 - split * (n - 1) > split / 2
-    assert splits(512, 13107)[1] <= 2048  # Kascade 128k
+    assert splits(512, 3276) == (1, 3328)  # Kascade 32k: one split of whole steps
+    assert splits(512, 13107)[0] == 1  # Kascade 128k
+    n, split = splits(256, 52428)  # Kascade B=32, 512k: even pieces, no short last split
+    assert split <= 2048 and split * (n - 1) < 52428 <= split * n
+    assert 52428 - split * (n - 1) > split / 2
     assert splits(8, 819)[0] > 1  # a few row groups: split to fill the GPU anyway
     assert splits(64, 13056, 131072)[0] <= 128  # Lychee with dense heads
     assert splits(4, 100)[0] == 1  # tiny streams are not split below a step
