@@ -1,7 +1,8 @@
 """Prefill over the paged cache on one GPU: attention per layer, whole-model prefill, correction.
 
 1. Prefill attention of one layer at Llama-3.1-8B shapes (32 query / 8 KV heads, d=128,
-   bf16, page size 16, B=1), contexts 8k-128k: ours dense in chunks of 8k tokens, cuDNN
+   bf16, page size 16, B=1), contexts 8k-128k: ours dense in chunks of 8k tokens (the
+   library's default, cuDNN on the gathered pages, and the Pallas kernel), cuDNN
    `jax.nn.dot_product_attention` on contiguous K/V (the peer), and Kascade's sparse prefill
    at 10% and 20% weighted as the paper's Table 3: 1/32 layer 0 and 4/32 anchors (dense
    attention + tile scores + top-k), 27/32 reuse (selected keys + the tile's own block);
@@ -11,8 +12,10 @@
    chunked, Kascade sparse prefill, and the one-pass cuDNN prefill.
 3. Cache correction every 32 tokens relative to 32 decode steps (TidalDecode) at 32k, B=16
    (B=8 where B=16 does not fit).
-A small sweep at 32k picks the dense kernel's knobs for the dense rows, and times the sparse
-stream and the tile scores with and without lookahead (the sweep rows).
+A small sweep at 32k picks the Pallas kernel's knobs for its dense rows, and times the sparse
+stream and the tile scores with and without lookahead (the sweep rows), and the cost of the
+length mask in cuDNN's chunked path (the last chunk over the keys before it, masked as the
+library runs it and unmasked).
 
   python benchmarks/bench_prefill.py            # on the GPU (an H200: part 3 needs ~85 GB)
   python benchmarks/bench_prefill.py --smoke    # tiny shapes on CPU (the references)
@@ -20,6 +23,7 @@ stream and the tile scores with and without lookahead (the sweep rows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -38,6 +42,8 @@ from sparsejax import methods  # noqa: E402
 from sparsejax.extend import correct  # noqa: E402
 from sparsejax.models import ModelConfig, init_params, unstack_layers  # noqa: E402
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores  # noqa: E402
+from sparsejax.pallas_kernels import prefill_attention  # noqa: E402
+from sparsejax.pallas_kernels.common import use_backend  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
 from sparsejax.selection import select_tiles  # noqa: E402
 
@@ -53,6 +59,7 @@ SMOKE = dict(config=dict(LLAMA_8B, vocab_size=97, hidden_size=64, num_layers=4, 
 # Table 3's weighting: layer 0, the other 4 anchors, 27 reuse layers of 32
 WEIGHTS = dict(layer0=1 / 32, anchor=4 / 32, reuse=27 / 32)
 DTYPE = jnp.bfloat16
+PALLAS = "reference" if not jax.default_backend() == "gpu" else "pallas"  # CPU smoke runs
 # (block_q, block_n, num_warps, num_stages) for the dense kernel; None keeps the default
 SWEEP = [(None, None, None, None, None), (64, 64, 8, 3, 0), (64, 64, 8, 4, 1),
          (64, 64, 16, 3, 1), (32, 64, 4, 3, 1)]
@@ -95,25 +102,27 @@ def paged_layer(key, context, cfg):
     return q, k, v, table
 
 
-def chunked_dense(q, k, v, table, *, chunk, tuning):
+def chunked_dense(q, k, v, table, *, chunk, tuning, backend="auto"):
     """The whole prompt's attention, one paged_prefill_attention per chunk."""
     outs = []
     for s in range(0, q.shape[1], chunk):
         n = min(chunk, q.shape[1] - s)
         outs.append(paged_prefill_attention(q[:, s:s + n], k, v, table, jnp.array([s], jnp.int32),
-                                            jnp.array([n], jnp.int32), **tuning).out)
+                                            jnp.array([n], jnp.int32), backend=backend,
+                                            **tuning).out)
     return jnp.concatenate(outs, axis=1)
 
 
 def sweep(cfg, smoke):
-    """Time the dense chunked prefill at the sweep context under each SWEEP knob set
-    (None keeps the default) -> (the fastest knobs, one row per knob set)."""
+    """Time the Pallas kernel's dense chunked prefill at the sweep context under each SWEEP
+    knob set (None keeps the default) -> (the fastest knobs, one row per knob set)."""
     context = cfg["contexts"][0] if smoke else SWEEP_CONTEXT
     q, k, v, table = paged_layer(jax.random.key(0), context, cfg)
     rows, best = new_rows(smoke), None
     for knobs in SWEEP[:2] if smoke else SWEEP:
         tuning = {n: x for n, x in zip(KNOBS, knobs) if x is not None}
-        fn = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning))
+        fn = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning,
+                                       backend=PALLAS))
         try:
             ms = timer(smoke)(fn, q, k, v, table)
         except jax.errors.JaxRuntimeError as e:  # e.g. more shared memory than the GPU has
@@ -123,6 +132,8 @@ def sweep(cfg, smoke):
         rows.append(harness.row("sweep_dense_chunked", context=context, batch=1, ms=ms,
                                 tuning=tuning))
         best = (ms, tuning) if best is None or ms < best[0] else best
+    if not smoke:
+        rows += cudnn_mask_rows(q, k, v, table, cfg)
     # The lookahead of Kascade's sparse stream and of the tile scores
     plan, tile = kascade_plan(cfg, 0.1), cfg["tile"]
     _, sel = jax.jit(functools.partial(anchor_layer, plan=plan, tile=tile))(q, k, v, table)
@@ -143,6 +154,32 @@ def sweep(cfg, smoke):
             rows.append(harness.row(case, context=context, batch=1, ms=ms, ratio=0.1,
                                     tuning=tuning))
     return best[1], rows
+
+
+def cudnn_mask_rows(q, k, v, table, cfg):
+    """What the prefix call of cuDNN's chunked path costs for its length mask: the last chunk's
+    queries over the keys before it, length-masked (as the library calls it, over the whole
+    span) and unmasked (a static slice of exactly those keys, `jax.nn.dot_product_attention`)."""
+    chunk, c = cfg["chunk"], cfg["config"]
+    start = q.shape[1] - chunk
+    kc = k[table[0]].transpose(0, 2, 1, 3).reshape(1, q.shape[1], c["num_kv_heads"], -1)
+    vc = v[table[0]].transpose(0, 2, 1, 3).reshape(1, q.shape[1], c["num_kv_heads"], -1)
+    qc, scale = q[:, start:], c["head_dim"] ** -0.5
+    masked = functools.partial(prefill_attention._cudnn_attention, causal=False, sm_scale=scale)
+    calls = {
+        "cudnn_prefix_length_masked": (jax.jit(lambda q, k, v: masked(
+            q, k, v, jnp.array([chunk], jnp.int32), jnp.array([start], jnp.int32))[0]),
+            (qc, kc, vc)),
+        "cudnn_prefix_unmasked": (jax.jit(functools.partial(
+            jax.nn.dot_product_attention, scale=scale, implementation="cudnn")),
+            (qc, kc[:, :start], vc[:, :start]))}
+    flops = 4 * chunk * start * c["num_heads"] * c["head_dim"]
+    rows = []
+    for case, (fn, args) in calls.items():
+        ms = timer(False)(fn, *args)
+        rows.append(harness.row(case, context=q.shape[1], batch=1, ms=ms, queries=chunk,
+                                keys=start, tflops=round(flops / ms / 1e9)))
+    return rows
 
 
 def kascade_plan(cfg, ratio):
@@ -189,10 +226,14 @@ def layer_rows(cfg, smoke):
                                           implementation=None if smoke else "cudnn"))
         cudnn_ms = time(cudnn, q, kc, vc)
         del kc, vc
-        ours = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=tuning))
-        ours_ms = time(ours, q, k, v, table)
-        rows.append(harness.row("dense_chunked", context=context, batch=1, ms=ours_ms,
-                                floor=floor, peer="cudnn", peer_ms=cudnn_ms, tuning=tuning))
+        # the library's default (cuDNN on the chunks, through the gathered pages), and the
+        # Pallas kernel at the sweep's best knobs
+        for case, backend, knobs in (("dense_chunked", "auto", {}),
+                                     ("dense_chunked_pallas", PALLAS, tuning)):
+            ours = jax.jit(functools.partial(chunked_dense, chunk=cfg["chunk"], tuning=knobs,
+                                             backend=backend))
+            rows.append(harness.row(case, context=context, batch=1, ms=time(ours, q, k, v, table),
+                                    floor=floor, peer="cudnn", peer_ms=cudnn_ms, tuning=knobs))
         rows.append(harness.row("cudnn", context=context, batch=1, ms=cudnn_ms, floor=floor,
                                 peer="cudnn", peer_ms=cudnn_ms))
         for ratio in (0.1, 0.2):
@@ -239,14 +280,20 @@ def model_rows(model, cfg, smoke):
         lengths = jnp.array([context], jnp.int32)
         cache = kv.allocate(config, 1, context, page_size=cfg["page_size"], dtype=DTYPE)
         kascade = methods.Kascade(ratio=0.1, sparse_prefill=True, prefill_tile=cfg["tile"])
-        runs = {"model_prefill_dense_chunked": (None, cfg["chunk"]),
-                "model_prefill_kascade": (kascade.scaled_to(config.num_layers), cfg["chunk"]),
-                "model_prefill_cudnn_one_pass": (None, None)}
+        kascade = kascade.scaled_to(config.num_layers)
+        runs = {"model_prefill_dense_chunked": (None, cfg["chunk"], "auto"),
+                "model_prefill_dense_chunked_pallas": (None, cfg["chunk"], PALLAS),
+                "model_prefill_kascade": (kascade, cfg["chunk"], "auto"),
+                "model_prefill_cudnn_one_pass": (None, None, "auto")}
         times = {}
-        for case, (method, chunk) in runs.items():
+        for case, (method, chunk, backend) in runs.items():
             plan = as_plan(method, config, cfg["page_size"])
             fn = jax.jit(functools.partial(sparsejax.prefill, plan=plan, chunk=chunk))
-            times[case] = time(fn, model, cache, ids, lengths)
+            with contextlib.ExitStack() as scope:
+                if backend != "auto":   # every kernel call of the trace on that backend
+                    scope.enter_context(use_backend(backend))
+                    fn = harness.compiled(fn, model, cache, ids, lengths)
+                times[case] = time(fn, model, cache, ids, lengths)
         for case, ms in times.items():
             rows.append(harness.row(case, context=context, batch=1, ms=ms,
                                     peer="model_prefill_dense_chunked",
@@ -311,7 +358,8 @@ def plot(doc, path):
     rows = doc["rows"]
     fig, ((ax, bx),) = figure(1, 2, figsize=(12, 4.5), gridspec_kw=dict(width_ratios=[3, 2]))
     layer = [("cudnn", None, "cuDNN (one pass, contiguous K/V)"),
-             ("dense_chunked", None, "ours, dense, 8k chunks"),
+             ("dense_chunked", None, "ours, dense, 8k chunks (cuDNN over the gathered pages)"),
+             ("dense_chunked_pallas", None, "ours, dense, 8k chunks, Pallas kernel"),
              ("kascade_weighted", 0.1, "Kascade sparse prefill 10%, Table 3 weighting"),
              ("kascade_weighted", 0.2, "Kascade sparse prefill 20%, Table 3 weighting"),
              ("kascade_anchor", 0.1, "Kascade anchor layer (dense + tile scores + top-k)"),
