@@ -1,6 +1,7 @@
 """Pallas (Triton) GPU kernels, each beside its plain-jnp reference.
 
-`backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere.
+`backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere; dense bf16/f16
+prefill chunks of 512+ queries take cuDNN on a GPU (`prefill_attention.CUDNN_MIN_CHUNK`).
 """
 from .decode_attention import (DecodeAttention, paged_decode_attention,
                                paged_decode_attention_reference)
