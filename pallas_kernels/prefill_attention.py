@@ -16,10 +16,11 @@ the GQA group (Kascade's pooling), from each query's LSE of a dense pass.
 Dense calls of at least CUDNN_MIN_CHUNK bf16/f16 queries on a GPU run on cuDNN's flash
 attention instead (`backend="auto"`, or `"cudnn"`): the chunk's own keys and the cache before
 it are gathered into contiguous [B, T, HK, D] arrays and attended in two calls (causal over
-the chunk, unmasked over the prefix), merged by their LSEs (`_prefill_split`). cuDNN's
-warp-specialised Hopper kernel runs at ~600 TFLOP/s where this Pallas-Triton one reaches
-~410; the gathers cost ~2% at 8k-token chunks. Shorter chunks (verification, correction) stay
-on Pallas, where the gathers would outweigh the attention.
+the chunk, length-masked over the positions before it: cuDNN's causal mask is top-left
+aligned), merged by their LSEs (`_prefill_split`). cuDNN's warp-specialised Hopper kernel
+runs at ~600-700 TFLOP/s where this Pallas-Triton one reaches ~410; the gathers and the merge
+cost ~0.15 ms per 8k-token chunk. Shorter chunks (verification, correction) stay on Pallas,
+where the gathers would outweigh the attention.
 
 Kernel: flash attention on Pallas-Triton. Grid (batch, kv_head, query block x split); each
 program stacks `block_q` query tokens x the GQA group (padded to a power of 2) as the rows of
@@ -49,7 +50,7 @@ MAX_GROUP = 16
 MIN_ROWS = 16  # the smallest Triton dot M: block_q x padded group is at least this
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # Dense chunks of at least this many queries take cuDNN under backend="auto" on a GPU (H200,
-# B=16 over 32k: 512 queries 8.5 vs 9.7 ms on Pallas, 2048: 29 vs 42; 32 queries: 3.2 vs 0.8)
+# 2026-11-26, B=16 over 32k: 512 queries 8.5 vs 9.7 ms on Pallas, 2048: 29 vs 42; 32: 3.2 vs 0.8)
 CUDNN_MIN_CHUNK = 512
 NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
 
