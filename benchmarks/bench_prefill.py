@@ -59,7 +59,7 @@ SMOKE = dict(config=dict(LLAMA_8B, vocab_size=97, hidden_size=64, num_layers=4, 
 # Table 3's weighting: layer 0, the other 4 anchors, 27 reuse layers of 32
 WEIGHTS = dict(layer0=1 / 32, anchor=4 / 32, reuse=27 / 32)
 DTYPE = jnp.bfloat16
-PALLAS = "reference" if not jax.default_backend() == "gpu" else "pallas"  # CPU smoke runs
+PALLAS = "pallas" if jax.default_backend() == "gpu" else "reference"  # the smoke run on CPU
 # (block_q, block_n, num_warps, num_stages) for the dense kernel; None keeps the default
 SWEEP = [(None, None, None, None, None), (64, 64, 8, 3, 0), (64, 64, 8, 4, 1),
          (64, 64, 16, 3, 1), (32, 64, 4, 3, 1)]
@@ -88,6 +88,12 @@ def timer(smoke, calls=5):
 
 def attention_floor_ms(context, heads, head_dim):
     return 2.0 * context * context * heads * head_dim / PEAK_FLOPS * 1e3
+
+
+def contiguous(pages, table, cfg):
+    """A row's paged K or V [pages, HK, P, D] in position order: [1, T, HK, D] (cuDNN's)."""
+    return pages[table[0]].transpose(0, 2, 1, 3).reshape(1, -1, cfg["config"]["num_kv_heads"],
+                                                         cfg["config"]["head_dim"])
 
 
 def paged_layer(key, context, cfg):
@@ -162,8 +168,7 @@ def cudnn_mask_rows(q, k, v, table, cfg):
     span) and unmasked (a static slice of exactly those keys, `jax.nn.dot_product_attention`)."""
     chunk, c = cfg["chunk"], cfg["config"]
     start = q.shape[1] - chunk
-    kc = k[table[0]].transpose(0, 2, 1, 3).reshape(1, q.shape[1], c["num_kv_heads"], -1)
-    vc = v[table[0]].transpose(0, 2, 1, 3).reshape(1, q.shape[1], c["num_kv_heads"], -1)
+    kc, vc = contiguous(k, table, cfg), contiguous(v, table, cfg)
     qc, scale = q[:, start:], c["head_dim"] ** -0.5
     masked = functools.partial(prefill_attention._cudnn_attention, causal=False, sm_scale=scale)
     calls = {
@@ -219,9 +224,7 @@ def layer_rows(cfg, smoke):
     for context in cfg["contexts"]:
         q, k, v, table = paged_layer(jax.random.key(context), context, cfg)
         floor = attention_floor_ms(context, c["num_heads"], c["head_dim"])
-        # cuDNN's contiguous K/V [1, T, HK, D], in position order
-        kc = k[table[0]].transpose(0, 2, 1, 3).reshape(1, context, c["num_kv_heads"], -1)
-        vc = v[table[0]].transpose(0, 2, 1, 3).reshape(1, context, c["num_kv_heads"], -1)
+        kc, vc = contiguous(k, table, cfg), contiguous(v, table, cfg)
         cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                           implementation=None if smoke else "cudnn"))
         cudnn_ms = time(cudnn, q, kc, vc)

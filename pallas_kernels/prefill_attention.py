@@ -559,14 +559,13 @@ def _choose_backend(backend, q, k_pages, indices) -> str:
         return backend
     if backend not in common.BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {(*common.BACKENDS, 'cudnn')}")
-    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
-                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
-                                        max_group=MAX_GROUP)
-    chosen = common.choose_backend(backend, unsupported)
     if (backend == "auto" and not common.backend_overridden() and q.shape[1] >= CUDNN_MIN_CHUNK
             and _cudnn_support(q, indices) is None):
         return "cudnn"
-    return chosen
+    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
+                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
+                                        max_group=MAX_GROUP)
+    return common.choose_backend(backend, unsupported)
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -129,23 +129,14 @@ def test_dense_matches_reference(cfg, tuning, interpret):
 
 
 def contiguous_attention(q, k, v, q_len, kv_len, *, causal, sm_scale):
-    """float32 jnp stand-in for cuDNN's padded attention (the first q_len queries over the
-    first kv_len keys, top-left causal) -> (out, lse [B, T, HQ])."""
-    batch, chunk, q_heads, head_dim = q.shape
-    span, kv_heads = k.shape[1:3]
-    qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
-    s = jnp.einsum("bthgd,bshd->bhgts", qg, k.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST) * sm_scale
-    i, j = jnp.arange(chunk)[:, None], jnp.arange(span)[None, :]
-    keep = (j < kv_len[:, None, None]) & (i < q_len[:, None, None])  # [B, T, S]
-    if causal:
-        keep = keep & (j <= i)
-    keep = keep[:, None, None]
-    lse = jax.nn.logsumexp(jnp.where(keep, s, -jnp.inf), axis=-1)
-    p = jnp.where(keep, jnp.exp(s - lse[..., None]), 0.0)
-    out = jnp.einsum("bhgts,bshd->bthgd", p, v.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out.reshape(q.shape), lse.transpose(0, 3, 1, 2).reshape(batch, chunk, q_heads)
+    """cuDNN's stand-in on CPU: XLA's `jax.nn.dot_product_attention` (the same padding and
+    top-left causal masks) in float32, whose LSE then stays float32 -> (out, lse [B, T, HQ])."""
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):   # not TF32 when the tests run on a GPU
+        return jax.nn.dot_product_attention(*f32, scale=sm_scale, is_causal=causal,
+                                            query_seq_lengths=q_len,
+                                            key_value_seq_lengths=kv_len,
+                                            implementation="xla", return_residual=True)
 
 
 @pytest.mark.parametrize("cfg", [cfg for cfg, _ in CASES])
