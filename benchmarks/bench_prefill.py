@@ -163,9 +163,10 @@ def sweep(cfg, smoke):
 
 
 def cudnn_mask_rows(q, k, v, table, cfg):
-    """What the prefix call of cuDNN's chunked path costs for its length mask: the last chunk's
-    queries over the keys before it, length-masked (as the library calls it, over the whole
-    span) and unmasked (a static slice of exactly those keys, `jax.nn.dot_product_attention`)."""
+    """What cuDNN's length mask costs, which chunked prefill's unmasked runs of chunks avoid:
+    the last chunk's queries over the keys before it, length-masked (as the library's
+    fallback for ragged starts calls it, over the whole span) and unmasked (a static slice
+    of exactly those keys, `jax.nn.dot_product_attention`)."""
     chunk, c = cfg["chunk"], cfg["config"]
     start = q.shape[1] - chunk
     kc, vc = contiguous(k, table, cfg), contiguous(v, table, cfg)

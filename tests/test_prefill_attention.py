@@ -150,6 +150,33 @@ def test_split_prefill_matches_reference(cfg):
     assert_matches(got, paged_prefill_attention_reference(*args), cfg["dtype"])
 
 
+CHUNKED_PREFILL_CASES = [   # one start for every row, a multiple of the chunk
+    _case(8, [40, 40], [8, 8]),          # five chunks before: runs of four and one
+    _case(7, [21, 21, 21], [7, 7, 7], dtype=jnp.bfloat16, group=4),   # runs of two and one
+    _case(16, [0, 0], [16, 16], page_size=16),                        # nothing before
+    _case(8, [56, 56], [8, 3]),          # a partial last chunk: its own keys length-masked
+]
+
+
+@pytest.mark.parametrize("cfg", CHUNKED_PREFILL_CASES)
+def test_split_prefill_of_chunked_prefill_needs_no_prefix_mask(cfg):
+    """At chunked prefill's starts the positions before the chunk are attended in unmasked
+    power-of-2 runs of chunks: the length-masked call over the whole span never runs (it is
+    poisoned here), nor the masked causal one when every row fills the chunk."""
+    full = all(n == cfg["chunk"] for n in cfg["lengths"])
+
+    def attend(q, k, v, q_len, kv_len, *, causal, sm_scale):
+        out, lse = contiguous_attention(q, k, v, q_len, kv_len, causal=causal,
+                                        sm_scale=sm_scale)
+        poisoned = kv_len is not None and (full or not causal)
+        return (out * jnp.nan if poisoned else out), lse
+
+    args = make_case(7, **cfg)
+    got = prefill_attention._prefill_split(*args, sm_scale=cfg["head_dim"] ** -0.5,
+                                           attend=attend)
+    assert_matches(got, paged_prefill_attention_reference(*args), cfg["dtype"])
+
+
 def test_auto_backend_picks_cudnn_for_long_dense_chunks():
     q = jnp.zeros((1, prefill_attention.CUDNN_MIN_CHUNK, 8, 128), jnp.bfloat16)
     k = jnp.zeros((4, 2, 16, 128), jnp.bfloat16)
