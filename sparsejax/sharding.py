@@ -21,13 +21,14 @@ docs/architecture.md.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from sparsejax.cache import PagedKVCache, replicate_kv_heads
 from sparsejax.models import Model, ModelConfig, split_layer
@@ -215,18 +216,23 @@ def spmd(fn: Callable, mesh: Mesh, args: tuple, out_specs):
     as `allocate` lays them out). "model" stays with the SPMD partitioner. Explicit meshes
     run through `jax.sharding.auto_axes`: the model math stays free of sharding annotations.
     """
-    if callable(out_specs):
-        out_specs = out_specs(jax.eval_shape(fn, *args))
+    if callable(out_specs):   # fn's outputs traced as it runs below: on auto axes
+        auto = AbstractMesh(mesh.axis_sizes, mesh.axis_names, (AxisType.Auto,) * len(mesh.axis_names))
+        with jax.sharding.use_abstract_mesh(auto) if _explicit(mesh) else contextlib.nullcontext():
+            out_specs = out_specs(jax.eval_shape(fn, *jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)))
     out_shardings = _named(out_specs, mesh)
 
     def body(*args):
         if DATA not in mesh.axis_names:
             return fn(*args)
         in_specs = tuple(_data_specs(a) for a in args)
-        return jax.shard_map(_local_pages(fn), mesh=_current(mesh), in_specs=in_specs,
-                             out_specs=jax.tree.map(lambda s: _without(s, MODEL), out_specs,
-                                                    is_leaf=_is_spec),
-                             axis_names={DATA}, check_vma=False)(*args)
+        per_shard = jax.shard_map(_local_pages(fn), mesh=_current(mesh), in_specs=in_specs,
+                                  out_specs=jax.tree.map(lambda s: _without(s, MODEL),
+                                                         out_specs, is_leaf=_is_spec),
+                                  axis_names={DATA}, check_vma=False)
+        # traced even when called eagerly: shard_map's eager path takes every axis as manual
+        return jax.jit(per_shard)(*args)
 
     if _explicit(mesh):
         return jax.sharding.auto_axes(body, out_sharding=out_shardings)(*args)

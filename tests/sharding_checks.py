@@ -238,6 +238,35 @@ def layout_checks(results: dict) -> None:
 
 
 # ---- the jobs: calibration and gate training ---------------------------------------------------
+EAGER_MESHES = {"model=2": lambda: mesh(2, axis_type=AxisType.Explicit),
+                "data=2,model=2": lambda: mesh(2, 2, AxisType.Explicit)}
+EAGER_CHUNKS = (None, 16)
+
+
+def eager_checks(results: dict) -> None:
+    """The step API called as the README shows it, eagerly (no caller's jit) on explicit
+    meshes: prefill in one pass and in chunks, then a decode step, against the same calls
+    unsharded (max abs difference of their logits)."""
+    m, ids = model(4), jnp.asarray(prompts())
+    plan = as_plan(methods.Dense(), m.config, 8)
+
+    def run(mesh, chunk):
+        params = m if mesh is None else sparsejax.shard(m, mesh)
+        cache = kv.allocate(m.config, len(LENGTHS), int(LENGTHS.max()) + 1, page_size=8,
+                            dtype=jnp.float32, mesh=mesh)
+        logits, cache = sparsejax.prefill(params, cache, ids, jnp.asarray(LENGTHS), plan,
+                                          chunk=chunk)
+        step, _ = sparsejax.decode_step(params, cache, jnp.argmax(logits, -1), plan)
+        return np.asarray(logits), np.asarray(step)
+
+    for chunk in EAGER_CHUNKS:
+        want = run(None, chunk)
+        for name, make in EAGER_MESHES.items():
+            got = run(make(), chunk)
+            results[f"eager/{name}/chunk={chunk}"] = float(max(
+                np.max(np.abs(a - b)) for a, b in zip(want, got)))
+
+
 def job_checks(results: dict, tmp_dir: str) -> None:
     """DELTA's shift probe and Kascade's similarity, and 3 steps of gate training, on a mesh
     against the same calls without."""
@@ -297,7 +326,7 @@ def error_checks(results: dict) -> None:
 
 if __name__ == "__main__":
     results = {"devices": jax.device_count()}
-    for checks in (error_checks, layout_checks, path_checks, generate_checks):
+    for checks in (error_checks, layout_checks, eager_checks, path_checks, generate_checks):
         checks(results)
     with tempfile.TemporaryDirectory() as tmp:
         job_checks(results, tmp)

@@ -54,6 +54,13 @@ def test_methods_differ_from_dense(results):
     assert results["kv2/differ_from_dense"] == ["delta", "kascade", "kascade_sparse_anchors"]
 
 
+@pytest.mark.parametrize("mesh", list(checks.EAGER_MESHES))
+@pytest.mark.parametrize("chunk", checks.EAGER_CHUNKS)
+def test_eager_step_api_on_explicit_meshes(results, mesh, chunk):
+    """prefill (one pass or chunked) and decode_step outside any jit on explicit meshes."""
+    assert results[f"eager/{mesh}/chunk={chunk}"] < 1e-5
+
+
 def test_sharded_step_matches_unsharded(results):
     """prefill + decode steps with KV heads replicated twice over model=4, data=2."""
     assert results["layout/kv_copies"] == 2
