@@ -21,7 +21,6 @@ docs/architecture.md.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -216,9 +215,10 @@ def spmd(fn: Callable, mesh: Mesh, args: tuple, out_specs):
     as `allocate` lays them out). "model" stays with the SPMD partitioner. Explicit meshes
     run through `jax.sharding.auto_axes`: the model math stays free of sharding annotations.
     """
-    if callable(out_specs):   # fn's outputs traced as it runs below: on auto axes
-        auto = AbstractMesh(mesh.axis_sizes, mesh.axis_names, (AxisType.Auto,) * len(mesh.axis_names))
-        with jax.sharding.use_abstract_mesh(auto) if _explicit(mesh) else contextlib.nullcontext():
+    if callable(out_specs):   # fn's outputs, traced as it runs below: on auto axes
+        auto = AbstractMesh(mesh.axis_sizes, mesh.axis_names,
+                            (AxisType.Auto,) * len(mesh.axis_names))
+        with jax.sharding.use_abstract_mesh(auto):
             out_specs = out_specs(jax.eval_shape(fn, *jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)))
     out_shardings = _named(out_specs, mesh)
