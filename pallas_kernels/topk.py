@@ -25,7 +25,8 @@ device-to-host check); it ranks lowest, as above.
 Per-row path (many rows): one program per row (or per `block_rows` rows) runs a bitwise
 binary search for T, one row-wide count per bit, and stops early once a candidate leaves
 exactly `count` keys above it. A row of up to `block_n` columns stays in registers; a longer
-one is re-read once per bit.
+one is re-read once per bit. The keep then scans the row in tiles of `block_sel` columns, or,
+with block_sel >= block_n >= the row, straight from the registers the search used.
 
 Split path (few long rows): programs (row, chunk of `block_n` columns). Eight radix passes of
 4 bits each: every program writes the 16-bin histogram of its chunk's keys inside the range
@@ -252,15 +253,23 @@ def _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, present, budge
     """Write the rows' selections: the kept columns ascending, -1 padding, the counts."""
     # Masked lanes point out of bounds so that interpret mode's scatter drops them.
     store_rows = jnp.where(row_ok, rows, indices_ref.shape[0])[:, None]               # [BR, 1]
-    thr, above = _search_rows(tile_keys, budget, present, n=n, block_n=block_n)
-
-    def keep_tile(i, seen):
-        cols, key = tile_keys(i * block_sel, block_sel)
-        return _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, budget - above,
-                          seen, k)
-
     zeros = jnp.zeros_like(budget)
-    lax.fori_loop(0, pl.cdiv(jnp.max(present), block_sel), keep_tile, (zeros, zeros))
+    if block_sel >= block_n >= n:
+        # One load: the row stays in registers from the search through the keep.
+        resident = tile_keys(0, block_n)
+        thr, above = _search_rows(lambda start, width: resident, budget, present, n=n,
+                                  block_n=block_n)
+        _keep_tile(indices_ref, store_rows, row_ok, *resident, thr, budget - above,
+                   (zeros, zeros), k)
+    else:
+        thr, above = _search_rows(tile_keys, budget, present, n=n, block_n=block_n)
+
+        def keep_tile(i, seen):
+            cols, key = tile_keys(i * block_sel, block_sel)
+            return _keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, budget - above,
+                              seen, k)
+
+        lax.fori_loop(0, pl.cdiv(jnp.max(present), block_sel), keep_tile, (zeros, zeros))
     _pad_slots(indices_ref, store_rows, row_ok, budget, 0, k, k=k, block_k=block_k)
     plgpu.store(count_ref.at[store_rows[:, 0]], budget, mask=row_ok)
 
@@ -582,7 +591,23 @@ def _topk_candidates_kernel(keys_ref,     # [R, capacity] int32: candidate keys 
 
 
 def _per_row_warps(block_rows: int, block_n: int) -> int:
+    """Warps of the sampled path's per-row kernels (their rows are partly filled: the keep
+    re-reads only the filled tiles)."""
     return max(4, min(16, block_rows * block_n // 2048))
+
+
+def _per_row_knobs(block_rows: int, block_n: int) -> tuple[int, int]:
+    """(num_warps, block_sel) of the per-row path for full rows of block_rows x block_n keys,
+    from an H100 sweep of [512 | 2048, 2048..32768] rows: the keep runs on the resident keys
+    (block_sel = block_n) at up to 32 keys per thread, except at 16384 keys, where 16 warps
+    re-reading 4096-key tiles measured 3-13% faster (512 x 32768: 0.155 ms at 32 warps
+    resident, 0.174 at 16 warps in tiles)."""
+    keys = block_rows * block_n
+    if keys > RESIDENT_WIDTH:
+        return 16, 4096
+    if keys == 16384:
+        return 16, 4096
+    return max(4, keys // 1024), block_n
 
 
 class Candidates(NamedTuple):
@@ -700,9 +725,10 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
     sample_stride (split rows only): the sampled-threshold path, with a sample of about
       SAMPLE_WIDTH columns, for at least MIN_SAMPLED_ROWS rows wider than RESIDENT_WIDTH whose
       candidate capacity is at most MAX_CANDIDATES; else 0, the split path alone.
-    Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, block_sel <= 4096,
-      block_k <= 1024, num_warps 4 per 8k columns up to 16 (H200 sweep,
-      benchmarks/results/topk.json), num_stages=1.
+    Per-row path: block_rows=1, block_n = the row up to RESIDENT_WIDTH, num_warps and
+      block_sel from `_per_row_knobs` (1 warp per 1024 columns, 4 to 32, the keep from the
+      resident row; 16 warps and 4096-column tiles at 16384; H100 sweep), block_k <= 1024,
+      num_stages=1.
     Split path: block_n = columns per program, for about SPLIT_PROGRAMS programs (1024 to
       16384 columns, the whole row if shorter) and at most MAX_CHUNKS chunks per row;
       block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
@@ -734,10 +760,11 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
                     num_stages=1)
     block_rows = block_rows or 1
     block_n = block_n or min(n_pow2, RESIDENT_WIDTH)
+    num_warps, block_sel = _per_row_knobs(block_rows, block_n)
     return dict(split=False, sample_stride=sample_stride or 0, block_rows=block_rows,
-                block_n=block_n, block_sel=min(n_pow2, 4096),
-                block_k=min(common.next_power_of_2(k), 1024),
-                num_warps=_per_row_warps(block_rows, block_n), num_stages=1)
+                block_n=block_n, block_sel=min(block_sel, n_pow2),
+                block_k=min(common.next_power_of_2(k), 1024), num_warps=num_warps,
+                num_stages=1)
 
 
 def _check_tuning(split, sample_stride, block_rows, block_n, block_sel, block_k, num_warps,

@@ -80,10 +80,11 @@ def make_scores(seed, num_rows, n, kind):
     return rng.choice(VALUE_SETS[kind], size=(num_rows, n))
 
 
-# Kernel layouts: a resident row (block_n >= N), a streamed row (several column tiles), and
-# two rows per program with a ragged last program.
-LAYOUTS = [dict(), dict(block_n=16, block_sel=8, block_k=4),
-           dict(block_rows=2, block_n=32, block_sel=16)]
+# Kernel layouts: a resident row (block_n >= N) kept from registers, the same row kept in
+# re-read tiles, a streamed row (several column tiles), and two rows per program with a
+# ragged last program (tiles, and resident).
+LAYOUTS = [dict(), dict(block_sel=8), dict(block_n=16, block_sel=8, block_k=4),
+           dict(block_rows=2, block_n=32, block_sel=16), dict(block_rows=2, block_n=64)]
 
 
 @st.composite
@@ -356,6 +357,11 @@ def test_default_tuning_paths():
     assert not topk.default_tuning(2, 2048, 64)["split"]
     assert not topk.default_tuning(8, 131072, 13107, block_rows=2)["split"]
     assert topk.default_tuning(1, 1 << 23, 4096)["block_n"] == 32768  # at most 256 chunks
+    # per-row knobs: the keep from the resident row, except at 16384 columns
+    for n, warps, block_sel in ((2048, 4, 2048), (8192, 8, 8192), (16384, 16, 4096),
+                                (32768, 32, 32768)):
+        tuning = topk.default_tuning(512, n, n // 10)
+        assert (tuning["num_warps"], tuning["block_sel"]) == (warps, block_sel), n
 
 
 # --------------------------------------------------------------------------------------------
