@@ -10,7 +10,11 @@ of the row's key blocks through the page table with masked gathers straight from
 (no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
 `common.merge_partials` combines the splits. For scores the kernel also writes the scaled
 logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
-epilogue turns logits + final LSE into the requested pooling, so K is read once. With
+epilogue turns logits + final LSE into the requested pooling, so K is read once. The
+per-query-head logits (max_heads, group_sum, head_probs) are written relative to their head's
+running max (s - m, with m per key block), in `logits_dtype`: float16 for 16-bit inputs halves
+the bytes of that round trip, and its rounding (at most 2^-11 |s - m| <= 2^-11 |ln p| in the
+log of a probability p) stays below what the 16-bit K and q already carry. With
 `values=False` the kernel is the scores pass alone (Kascade's anchor layers, as in its §3.6):
 no V is read and no output computed, about half the bytes of the dense pass.
 """
@@ -51,8 +55,9 @@ def _decode_kernel(
     active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
     *refs,  # out_ref [B, num_splits, HQ, D] float32 (normalised partial output per split;
             #   absent without values), lse_ref [B, num_splits, HQ] float32 (partial LSE, -inf
-            #   for an empty split), then () | ([B, HQ, T] float32) | ([B, HK, T] float32) for
-            #   mean_query: the logits
+            #   for an empty split), then the logits: () | ([B, HK, T] float32) for mean_query |
+            #   ([B, HQ, T] logits_dtype: s - m, [B, HQ, num_blocks] float32: m, the running
+            #   max after each key block) for the per-head scores
     sm_scale: float,
     group: int,
     kv_heads: int,
@@ -104,15 +109,18 @@ def _decode_kernel(
             v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
         s = jnp.where(valid[None, :], s, -jnp.inf)
+        # Every visited block holds a valid token, so m_new is finite.
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
         if score == "mean_query":
             mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
             plgpu.store(logits_refs[0].at[b, h, pl.ds(j * block_n, block_n)], mean, mask=valid)
         elif score is not None:
+            logits_ref, block_max_ref = logits_refs
             rows, tokens = pl.ds(h * group, BLOCK_G), pl.ds(j * block_n, block_n)
-            plgpu.store(logits_refs[0].at[b, rows, tokens], s,
+            plgpu.store(logits_ref.at[b, rows, tokens],
+                        (s - m_new[:, None]).astype(logits_ref.dtype),
                         mask=row_valid[:, None] & valid[None, :])
-        # Every visited block holds a valid token, so m_new is finite.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            plgpu.store(block_max_ref.at[b, rows, j], m_new, mask=row_valid)
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
@@ -135,7 +143,8 @@ def _decode_kernel(
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, values,
-                   sm_scale, interpret, block_n, num_splits, num_warps, num_stages):
+                   logits_dtype, sm_scale, interpret, block_n, num_splits, num_warps,
+                   num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -152,7 +161,9 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
     if score == "mean_query":
         out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, max_tokens), jnp.float32))
     elif score is not None:
-        out_shape.append(jax.ShapeDtypeStruct((batch, q_heads, max_tokens), jnp.float32))
+        out_shape += [jax.ShapeDtypeStruct((batch, q_heads, max_tokens), logits_dtype),
+                      jax.ShapeDtypeStruct((batch, q_heads, common.cdiv(max_tokens, block_n)),
+                                           jnp.float32)]
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, group=group, kv_heads=kv_heads,
         page_size=page_size, block_n=block_n, num_splits=num_splits, max_tokens=max_tokens,
@@ -176,7 +187,13 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
         lse = common.merge_lse(lse_part, axis=1)
     scores = None
     if score is not None:
-        scores = _pool_logits(score, logits[0], lse, jnp.minimum(lengths, max_tokens), active,
+        if score == "mean_query":
+            logits = logits[0]
+        else:  # s = (s - m) + m
+            relative, block_max = logits
+            logits = relative.astype(jnp.float32) + jnp.repeat(
+                block_max, block_n, axis=-1)[..., :max_tokens]
+        scores = _pool_logits(score, logits, lse, jnp.minimum(lengths, max_tokens), active,
                               page_size=page_size, kv_heads=kv_heads)
     return DecodeAttention(out, lse, scores)
 
@@ -275,6 +292,7 @@ def paged_decode_attention(
     values: bool = True,
     kv_heads: jax.Array | None = None,  # [HK] bool
     sm_scale: float | None = None,
+    logits_dtype=None,
     backend: str = "auto",
     interpret: bool | None = None,
     block_n: int | None = None,
@@ -305,6 +323,11 @@ def paged_decode_attention(
     kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
       are computed; the others are skipped and get out 0, lse -inf and -inf scores
       ("max_heads" takes the max over the computed heads). None computes every head.
+    logits_dtype: float16 | float32 | None: how the Pallas path stores the per-query-head
+      logits that max_heads, group_sum and head_probs pool, each relative to its head's
+      running max. float16 halves the bytes; a probability p then carries a relative error up
+      to 2^-11 |ln p| (below 1% for p > e^-20 of its head's max). None: float16 for 16-bit
+      q, float32 (the logits as computed) for float32 q. The reference is exact either way.
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
       kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
       up to 16; other shapes run the reference under "auto" and raise under "pallas".
@@ -313,22 +336,26 @@ def paged_decode_attention(
       `default_tuning`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
+    if logits_dtype is None:
+        logits_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.float16
+    elif jnp.dtype(logits_dtype) not in (jnp.float16, jnp.float32):
+        raise ValueError(f"logits_dtype={logits_dtype!r}: expected None, float16 or float32")
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
                                         dtypes=DTYPES, max_group=MAX_GROUP)
     return _paged_decode_attention(
         q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
-        sm_scale=sm_scale,
+        logits_dtype=jnp.dtype(logits_dtype), sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "score", "values", "sm_scale", "backend", "interpret", "block_n", "num_splits", "num_warps",
-    "num_stages"))
+    "score", "values", "logits_dtype", "sm_scale", "backend", "interpret", "block_n",
+    "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
-                            values, sm_scale, backend, interpret, block_n, num_splits,
-                            num_warps, num_stages):
+                            values, logits_dtype, sm_scale, backend, interpret, block_n,
+                            num_splits, num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
@@ -343,7 +370,7 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(**tuning)
     return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
-                          values=values, sm_scale=sm_scale,
+                          values=values, logits_dtype=logits_dtype, sm_scale=sm_scale,
                           interpret=common.resolve_interpret(interpret), **tuning)
 
 
