@@ -34,7 +34,6 @@ import argparse
 import functools
 import gc
 import os
-import re
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
@@ -86,15 +85,6 @@ def timer(smoke):
     if smoke:
         return functools.partial(harness.time_ms, calls=1, repeats=1, warmup=1)
     return functools.partial(harness.device_time_ms, calls=10, warmup=2)
-
-
-def results_name() -> str:
-    """selecting_layers on an H200 (the reference table), selecting_layers_<gpu> elsewhere."""
-    kind = harness.device_name()
-    if "H200" in kind:
-        return "selecting_layers"
-    gpu = re.search(r"[A-Z]\d{2,3}", kind)
-    return f"selecting_layers_{(gpu.group(0) if gpu else kind).lower().replace(' ', '_')}"
 
 
 def kernel_shape(config, batch, page_size):
@@ -231,7 +221,7 @@ def main(argv=None):
     if args.ratios:
         cfg["ratios"] = tuple(float(r) for r in args.ratios.split(","))
     batch = args.batch or cfg["batch"]
-    name = results_name()
+    name = harness.per_gpu_name("selecting_layers")
     rows = harness.Rows(name, write=not args.smoke, meta=dict(
         shape="Llama-3.1-8B layer (32/8 heads, d=128), bf16, page 16",
         weights=f"kascade_weighted = {ANCHORS}/{LAYERS} anchor + {LAYERS - ANCHORS}/{LAYERS} "

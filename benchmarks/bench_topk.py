@@ -4,6 +4,7 @@ threshold's candidates) vs lax.top_k.
     python benchmarks/bench_topk.py          # GPU: exactness, timings, sweep -> results/topk.json
     python benchmarks/bench_topk.py --matrix # GPU: every selection shape of the decode matrix,
                                              # default tuning only -> results/topk_matrix.json
+    (on an H200; results/topk_h100.json and topk_matrix_h100.json on an H100)
     python benchmarks/bench_topk.py --smoke  # CPU: tiny shapes in interpret mode, nothing written
 
 Every configuration is first checked for exact equality with `topk_select_reference` (indices
@@ -218,7 +219,7 @@ def main():
         print("smoke run: results not written")
         return
     path = harness.write_results(
-        "topk_matrix" if args.matrix else "topk", rows,
+        harness.per_gpu_name("topk_matrix" if args.matrix else "topk"), rows,
         kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search), rows "
         "split across programs (8 radix passes over chunks, one compaction), or a strided "
         "sample's threshold, its candidates counted, compacted and selected per row",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -179,6 +180,16 @@ def row(case: str, *, context: int | None, batch: int | None, ms: float,
 def device_name() -> str:
     d = jax.devices()[0]
     return getattr(d, "device_kind", str(d))
+
+
+def per_gpu_name(base: str) -> str:
+    """`base` on an H200 (the reference tables), `base_<gpu>` elsewhere (base_h100 on an
+    H100), so each GPU's results keep their own file."""
+    kind = device_name()
+    if "H200" in kind:
+        return base
+    gpu = re.search(r"[A-Z]\d{2,3}", kind)
+    return f"{base}_{(gpu.group(0) if gpu else kind).lower().replace(' ', '_')}"
 
 
 def write_results(name: str, rows: list[dict], **meta) -> Path:
