@@ -10,9 +10,9 @@ of the row's key blocks through the page table with masked gathers straight from
 (no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
 `common.merge_partials` combines the splits. For scores the kernel also writes the scaled
 logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
-epilogue turns logits + final LSE into the requested pooling, so K is read once. The
-per-query-head logits (max_heads, group_sum, head_probs) are written relative to their head's
-running max (s - m, with m per key block), in `logits_dtype`: float16 for 16-bit inputs halves
+epilogue turns logits + final LSE into the requested pooling, so K is read once. The logits
+are written relative to a running max (s - m, with m per key block: each query head's own, or
+for mean_query the mean of its group's), in `logits_dtype`: float16 for 16-bit inputs halves
 the bytes of that round trip, and its rounding (at most 2^-11 |s - m| <= 2^-11 |ln p| in the
 log of a probability p) stays below what the 16-bit K and q already carry. With
 `values=False` the kernel is the scores pass alone (Kascade's anchor layers, as in its §3.6):
@@ -55,9 +55,10 @@ def _decode_kernel(
     active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
     *refs,  # out_ref [B, num_splits, HQ, D] float32 (normalised partial output per split;
             #   absent without values), lse_ref [B, num_splits, HQ] float32 (partial LSE, -inf
-            #   for an empty split), then the logits: () | ([B, HK, T] float32) for mean_query |
-            #   ([B, HQ, T] logits_dtype: s - m, [B, HQ, num_blocks] float32: m, the running
-            #   max after each key block) for the per-head scores
+            #   for an empty split), then with a score the logits s - m [B, R, T] in
+            #   logits_dtype and m [B, R, num_blocks] float32 per key block: R = HQ, m each
+            #   head's running max after the block; R = HK for mean_query, m the mean of its
+            #   group's running maxes (>= the mean logit)
     sm_scale: float,
     group: int,
     kv_heads: int,
@@ -111,12 +112,17 @@ def _decode_kernel(
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so m_new is finite.
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        if score == "mean_query":
+        tokens = pl.ds(j * block_n, block_n)
+        if score == "mean_query":  # relative to the mean of the rows' running maxes
+            logits_ref, block_max_ref = logits_refs
             mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
-            plgpu.store(logits_refs[0].at[b, h, pl.ds(j * block_n, block_n)], mean, mask=valid)
+            mean_max = jnp.sum(jnp.where(row_valid, m_new, 0.0)) / group
+            plgpu.store(logits_ref.at[b, h, tokens], (mean - mean_max).astype(logits_ref.dtype),
+                        mask=valid)
+            plgpu.store(block_max_ref.at[b, h, j], mean_max)
         elif score is not None:
             logits_ref, block_max_ref = logits_refs
-            rows, tokens = pl.ds(h * group, BLOCK_G), pl.ds(j * block_n, block_n)
+            rows = pl.ds(h * group, BLOCK_G)
             plgpu.store(logits_ref.at[b, rows, tokens],
                         (s - m_new[:, None]).astype(logits_ref.dtype),
                         mask=row_valid[:, None] & valid[None, :])
@@ -158,11 +164,10 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
     if values:
         out_shape.insert(0, jax.ShapeDtypeStruct((batch, num_splits, q_heads, head_dim),
                                                  jnp.float32))
-    if score == "mean_query":
-        out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, max_tokens), jnp.float32))
-    elif score is not None:
-        out_shape += [jax.ShapeDtypeStruct((batch, q_heads, max_tokens), logits_dtype),
-                      jax.ShapeDtypeStruct((batch, q_heads, common.cdiv(max_tokens, block_n)),
+    if score is not None:
+        rows = kv_heads if score == "mean_query" else q_heads
+        out_shape += [jax.ShapeDtypeStruct((batch, rows, max_tokens), logits_dtype),
+                      jax.ShapeDtypeStruct((batch, rows, common.cdiv(max_tokens, block_n)),
                                            jnp.float32)]
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, group=group, kv_heads=kv_heads,
@@ -187,12 +192,9 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
         lse = common.merge_lse(lse_part, axis=1)
     scores = None
     if score is not None:
-        if score == "mean_query":
-            logits = logits[0]
-        else:  # s = (s - m) + m
-            relative, block_max = logits
-            logits = relative.astype(jnp.float32) + jnp.repeat(
-                block_max, block_n, axis=-1)[..., :max_tokens]
+        relative, block_max = logits  # s = (s - m) + m
+        logits = relative.astype(jnp.float32) + jnp.repeat(
+            block_max, block_n, axis=-1)[..., :max_tokens]
         scores = _pool_logits(score, logits, lse, jnp.minimum(lengths, max_tokens), active,
                               page_size=page_size, kv_heads=kv_heads)
     return DecodeAttention(out, lse, scores)
@@ -323,11 +325,13 @@ def paged_decode_attention(
     kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
       are computed; the others are skipped and get out 0, lse -inf and -inf scores
       ("max_heads" takes the max over the computed heads). None computes every head.
-    logits_dtype: float16 | float32 | None: how the Pallas path stores the per-query-head
-      logits that max_heads, group_sum and head_probs pool, each relative to its head's
-      running max. float16 halves the bytes; a probability p then carries a relative error up
-      to 2^-11 |ln p| (below 1% for p > e^-20 of its head's max). None: float16 for 16-bit
-      q, float32 (the logits as computed) for float32 q. The reference is exact either way.
+    logits_dtype: float16 | float32 | None: how the Pallas path stores the logits the scores
+      are made of, relative to a running max m (each query head's; for mean_query the mean of
+      the group's, which bounds the mean logit from above). float16 halves the bytes; a logit
+      s then moves by up to 2^-11 |s - m|: a probability p by a relative 2^-11 |ln p| (below
+      1% for p > e^-20 of its head's max), a mean_query logit by 2^-11 of its distance below
+      the mean of the group's LSEs. None: float16 for 16-bit q, float32 (the logits as
+      computed) for float32 q. The reference is exact either way.
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
       kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
       up to 16; other shapes run the reference under "auto" and raise under "pallas".

@@ -60,7 +60,16 @@ def float16_logits_bound(args, score, kv_heads=None):
     """Per score element, the most float16 logits may move it: each head's s - m rounds to
     within 2^-11 |s - m| <= 2^-11 |ln p| (m, the running max, lies between s and the LSE), so
     a probability p moves by at most p * expm1(2^-11 |ln p|); group_sum adds the group's,
-    max_heads takes the largest per token and adds a page's."""
+    max_heads takes the largest per token and adds a page's. A mean_query logit is stored
+    relative to the mean of its group's running maxes, at most the mean of their LSEs."""
+    _, num_kv_heads, page_size, _ = args[1].shape
+    if score == "mean_query":
+        ref = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads)
+        batch = ref.lse.shape[0]
+        lse = np.asarray(ref.lse).reshape(batch, num_kv_heads, -1).mean(axis=-1)
+        mean = np.asarray(ref.scores)
+        with np.errstate(invalid="ignore"):
+            return np.where(np.isfinite(mean), 2.0**-11 * (lse[..., None] - mean), 0.0)
     probs = np.asarray(paged_decode_attention_reference(*args, score="head_probs",
                                                         kv_heads=kv_heads).scores)
     probs = np.where(probs > 0, probs, 0.0)
@@ -68,12 +77,11 @@ def float16_logits_bound(args, score, kv_heads=None):
         err = probs * np.expm1(-2.0**-11 * np.log(probs))
     err = np.where(probs > 0, err, 0.0)                                          # [B, HQ, T]
     batch, q_heads, tokens = err.shape
-    _, num_kv_heads, page_size, _ = args[1].shape
     if score == "group_sum":
         return err.reshape(batch, num_kv_heads, -1, tokens).sum(axis=2)
     if score == "max_heads":
         return err.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
-    return err if score == "head_probs" else 0.0
+    return err
 
 
 def logits_bound(args, score, kv_heads=None, logits_dtype=None):
@@ -273,7 +281,7 @@ def test_scan_over_layers_with_offset_page_table(interpret):
         assert_scores_match(got.scores[i], want.scores, logits_bound(args, "group_sum"))
 
 
-@pytest.mark.parametrize("score", ["max_heads", "group_sum", "head_probs"])
+@pytest.mark.parametrize("score", ["max_heads", "group_sum", "head_probs", "mean_query"])
 def test_logits_dtype(score, interpret):
     """bf16 inputs: float32 logits meet the strict tolerance; the default float16 logits stay
     within their derived bound, their error is 10x float32's (the float16 path is the one
