@@ -283,6 +283,13 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, val
                          f"mask [{num_kv_heads}]")
 
 
+def _is_dtype(value, *dtypes) -> bool:
+    try:
+        return jnp.dtype(value) in dtypes
+    except TypeError:  # not a dtype at all
+        return False
+
+
 def paged_decode_attention(
     q: jax.Array,  # [B, HQ, D]
     k_pages: jax.Array,  # [num_pages, HK, P, D]
@@ -342,7 +349,7 @@ def paged_decode_attention(
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
     if logits_dtype is None:
         logits_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.float16
-    elif jnp.dtype(logits_dtype) not in (jnp.float16, jnp.float32):
+    elif not _is_dtype(logits_dtype, jnp.float16, jnp.float32):
         raise ValueError(f"logits_dtype={logits_dtype!r}: expected None, float16 or float32")
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
