@@ -337,8 +337,9 @@ def paged_decode_attention(
       the group's, which bounds the mean logit from above). float16 halves the bytes; a logit
       s then moves by up to 2^-11 |s - m|: a probability p by a relative 2^-11 |ln p| (below
       1% for p > e^-20 of its head's max), a mean_query logit by 2^-11 of its distance below
-      the mean of the group's LSEs. None: float16 for 16-bit q, float32 (the logits as
-      computed) for float32 q. The reference is exact either way.
+      the mean of the group's LSEs (`float16_logits_bound` gives it per score). None:
+      float16 for 16-bit q, float32 (the logits as computed) for float32 q. The reference is
+      exact either way.
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
       kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
       up to 16; other shapes run the reference under "auto" and raise under "pallas".
@@ -434,3 +435,33 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
         scores = jnp.where(kv_valid[:, :, None, :], prob, -jnp.inf)
         scores = scores.reshape(batch, q_heads, max_tokens)
     return DecodeAttention(out if values else None, lse, scores)
+
+
+@functools.partial(jax.jit, static_argnames=("score", "sm_scale"))
+def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: str,
+                         kv_heads: jax.Array | None = None,
+                         sm_scale: float | None = None) -> jax.Array:
+    """Per element of `score`'s scores, the most float16 logits (`logits_dtype`) may move it
+    from the reference, on top of float32 rounding. A head's s - m rounds to within 2^-11
+    |s - m| <= 2^-11 |ln p| (the running max m lies between s and the LSE), so a probability p
+    moves by at most p * expm1(2^-11 |ln p|): group_sum adds its group's, max_heads takes the
+    largest per token and adds a page's. A mean_query logit is stored relative to the mean of
+    its group's running maxes, which is at most the mean of their LSEs."""
+    args = (q, k_pages, v_pages, page_table, lengths)
+    batch, q_heads, _ = q.shape
+    _, num_kv_heads, page_size, _ = k_pages.shape
+    if score == "mean_query":
+        ref = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads,
+                                               sm_scale=sm_scale)
+        lse = ref.lse.reshape(batch, num_kv_heads, -1).mean(axis=-1)
+        return jnp.where(jnp.isfinite(ref.scores), 2.0**-11 * (lse[..., None] - ref.scores), 0.0)
+    probs = paged_decode_attention_reference(*args, score="head_probs", kv_heads=kv_heads,
+                                             sm_scale=sm_scale).scores
+    positive = probs > 0
+    probs = jnp.where(positive, probs, 1.0)
+    err = jnp.where(positive, probs * jnp.expm1(-2.0**-11 * jnp.log(probs)), 0.0)  # [B, HQ, T]
+    if score == "group_sum":
+        return err.reshape(batch, num_kv_heads, q_heads // num_kv_heads, -1).sum(axis=2)
+    if score == "max_heads":
+        return err.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
+    return err

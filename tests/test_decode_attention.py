@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.decode_attention import (
-    DecodeAttention, default_tuning, paged_decode_attention, paged_decode_attention_reference)
+    DecodeAttention, default_tuning, float16_logits_bound, paged_decode_attention,
+    paged_decode_attention_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 LSE_ATOL = 1e-4
@@ -56,41 +57,13 @@ def assert_scores_match(got, want, bound=0.0):
     assert (err <= allowed).all(), np.max(err / allowed)
 
 
-def float16_logits_bound(args, score, kv_heads=None):
-    """Per score element, the most float16 logits may move it: each head's s - m rounds to
-    within 2^-11 |s - m| <= 2^-11 |ln p| (m, the running max, lies between s and the LSE), so
-    a probability p moves by at most p * expm1(2^-11 |ln p|); group_sum adds the group's,
-    max_heads takes the largest per token and adds a page's. A mean_query logit is stored
-    relative to the mean of its group's running maxes, at most the mean of their LSEs."""
-    _, num_kv_heads, page_size, _ = args[1].shape
-    if score == "mean_query":
-        ref = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads)
-        batch = ref.lse.shape[0]
-        lse = np.asarray(ref.lse).reshape(batch, num_kv_heads, -1).mean(axis=-1)
-        mean = np.asarray(ref.scores)
-        with np.errstate(invalid="ignore"):
-            return np.where(np.isfinite(mean), 2.0**-11 * (lse[..., None] - mean), 0.0)
-    probs = np.asarray(paged_decode_attention_reference(*args, score="head_probs",
-                                                        kv_heads=kv_heads).scores)
-    probs = np.where(probs > 0, probs, 0.0)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        err = probs * np.expm1(-2.0**-11 * np.log(probs))
-    err = np.where(probs > 0, err, 0.0)                                          # [B, HQ, T]
-    batch, q_heads, tokens = err.shape
-    if score == "group_sum":
-        return err.reshape(batch, num_kv_heads, -1, tokens).sum(axis=2)
-    if score == "max_heads":
-        return err.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
-    return err
-
-
 def logits_bound(args, score, kv_heads=None, logits_dtype=None):
     """The bound the kernel's logits dtype (its default: float16 for 16-bit q) allows."""
     if logits_dtype is None:
         logits_dtype = jnp.float32 if args[0].dtype == jnp.float32 else jnp.float16
     if jnp.dtype(logits_dtype) == jnp.float32:
         return 0.0
-    return float16_logits_bound(args, score, kv_heads)
+    return np.asarray(float16_logits_bound(*args, score=score, kv_heads=kv_heads))
 
 
 def assert_matches_reference(args, *, score, dtype, interpret, kv_heads=None, **tuning):
@@ -294,7 +267,7 @@ def test_logits_dtype(score, interpret):
                             interpret=interpret, block_n=16)
     exact, got = np.asarray(run(logits_dtype=jnp.float32).scores), np.asarray(run().scores)
     assert_scores_match(exact, want)
-    bound = float16_logits_bound(args, score)
+    bound = np.asarray(float16_logits_bound(*args, score=score))
     assert_scores_match(got, want, bound)
     finite = np.isfinite(want)
     err, err_exact = (np.abs(x[finite] - want[finite]) for x in (got, exact))
