@@ -1,6 +1,7 @@
 """The whole decode step as a user calls it, over the shapes users run, for every method.
 
     python benchmarks/bench_decode_matrix.py           # GPU -> results/decode_matrix.json, .png
+                                                       # (decode_matrix_h100.* on an H100)
     python benchmarks/bench_decode_matrix.py --smoke   # CPU: tiny shapes, logic only
 
 Models {DS-R1-Distill-Qwen-1.5B, Llama-3.1-8B shapes} x batch {1, 4, 16, 64} x context
@@ -185,7 +186,8 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
                       f"{prof['busy_ms']:.3f} launches {prof['launches']:.0f} "
                       f"speedup {r['speedup_vs_dense']}", flush=True)
             if not smoke:   # what a cut-off run measured is kept
-                harness.write_results("decode_matrix", rows, partial=True, skipped=skipped)
+                harness.write_results(harness.per_gpu_name("decode_matrix"), rows, partial=True,
+                                      skipped=skipped)
         del model
     return rows, skipped
 
@@ -297,13 +299,13 @@ def main():
                 bandwidth_source="device-to-device copy of 2 GiB, bytes read + written",
                 memory_gib=round(memory / 2**30, 1), skipped=skipped, trace=trace,
                 methods={m: S.method.__doc__ for m in methods[:1]})
-    path = harness.write_results("decode_matrix", rows, **meta)
+    path = harness.write_results(harness.per_gpu_name("decode_matrix"), rows, **meta)
     doc = __import__("json").loads(path.read_text())
     plot(rows, dict(device=doc["device"], jax=doc["jax_version"], date=doc["date"],
-                    bandwidth_tb_s=meta["bandwidth_tb_s"]), harness.RESULTS / "decode_matrix.png")
+                    bandwidth_tb_s=meta["bandwidth_tb_s"]), path.with_suffix(".png"))
     if os.environ.get("OUT"):
         import shutil
-        shutil.copy(harness.RESULTS / "decode_matrix.png", os.environ["OUT"])
+        shutil.copy(path.with_suffix(".png"), os.environ["OUT"])
 
 
 if __name__ == "__main__":

@@ -201,11 +201,13 @@ def main():
                                 ms=dense["ms"], peer="hf-transformers-sdpa-static", peer_ms=ms))
     harness.print_table(rows)
     if not args.smoke:
-        harness.write_results("decode_step", rows, model="DS-R1-Distill-Qwen-1.5B shapes, random "
-                              "weights, bf16", hf_error=None if hf else "HF peer failed")
-        plot(rows, harness.RESULTS / "decode_step.png", harness.device_name())
+        path = harness.write_results(
+            harness.per_gpu_name("decode_step"), rows, hf_error=None if hf else "HF peer failed",
+            model="DS-R1-Distill-Qwen-1.5B shapes, random weights, bf16")
+        plot(rows, path.with_suffix(".png"), harness.device_name())
         if os.environ.get("OUT"):
-            plot(rows, Path(os.environ["OUT"]) / "decode_step.png", harness.device_name())
+            plot(rows, Path(os.environ["OUT"], path.name).with_suffix(".png"),
+                 harness.device_name())
 
 
 def plot(rows, path: Path, device: str) -> None:

@@ -77,7 +77,7 @@ META = dict(shape="Llama-3.1-8B (32/8 heads, d=128), bf16, page 16",
 
 def new_rows(smoke):
     """Rows printed as measured and, on the GPU, written after each (partial results)."""
-    return harness.Rows("prefill", META, write=not smoke)
+    return harness.Rows(harness.per_gpu_name("prefill"), META, write=not smoke)
 
 
 def timer(smoke, calls=5):
@@ -420,7 +420,8 @@ def main(argv=None):
         if getattr(args, name):
             cfg = dict(cfg, **{name: tuple(int(c) for c in getattr(args, name).split(","))})
     parts = args.parts.split(",")
-    committed = harness.committed_rows("prefill")  # a partial rerun keeps what it skips
+    # a partial rerun keeps what it skips
+    committed = harness.committed_rows(harness.per_gpu_name("prefill"))
     rows = layer_rows(cfg, args.smoke) if "layer" in parts else []
     if {"model", "correction"} & set(parts):
         model = random_model(cfg)

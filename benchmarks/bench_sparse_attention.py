@@ -486,10 +486,11 @@ def main():
     if args.smoke:
         plot(bench.rows, Path(tempfile.mkdtemp()) / f"{NAME}.png", harness.device_name())
         return
-    path = harness.write_results(NAME, bench.rows)
+    path = harness.write_results(harness.per_gpu_name(NAME), bench.rows)
     plot(bench.rows, path.with_suffix(".png"), harness.device_name())
     if os.environ.get("OUT"):
-        plot(bench.rows, Path(os.environ["OUT"], f"{NAME}.png"), harness.device_name())
+        plot(bench.rows, Path(os.environ["OUT"], path.name).with_suffix(".png"),
+             harness.device_name())
     print(f"wrote {path} and {path.with_suffix('.png')}")
 
 

@@ -1,7 +1,9 @@
 """Timing and result files shared by the benchmark scripts.
 
 Every script writes `benchmarks/results/<name>.json` (and `$OUT/<name>.json` when OUT is set)
-in one schema, so that any two runs can be compared:
+in one schema, so that any two runs can be compared; the single-GPU benchmarks name it
+`per_gpu_name(<bench>)` (`decode_step.json` on an H200, `decode_step_h100.json` on an H100),
+so that a run on another card never overwrites the reference tables:
   {"device", "jax_version", "date", "rows": [{"case", "context", "batch", "ms", "floor_ms",
    "peer", "peer_ms", "ratio_to_floor", "ratio_to_peer", ...}]}
 `ratio_to_peer` = ms / peer_ms (lower is better).
