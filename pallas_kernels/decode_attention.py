@@ -283,11 +283,18 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, val
                          f"mask [{num_kv_heads}]")
 
 
-def _is_dtype(value, *dtypes) -> bool:
+def logits_dtype_for(q_dtype, logits_dtype=None) -> jnp.dtype:
+    """The dtype the scores' logits are stored in: `logits_dtype` (float16 or float32), or by
+    default float16 for 16-bit q and float32 for float32 q."""
+    if logits_dtype is None:
+        return jnp.dtype(jnp.float32 if q_dtype == jnp.float32 else jnp.float16)
     try:
-        return jnp.dtype(value) in dtypes
+        dtype = jnp.dtype(logits_dtype)
     except TypeError:  # not a dtype at all
-        return False
+        dtype = None
+    if dtype not in (jnp.float16, jnp.float32):
+        raise ValueError(f"logits_dtype={logits_dtype!r}: expected None, float16 or float32")
+    return dtype
 
 
 def paged_decode_attention(
@@ -348,16 +355,13 @@ def paged_decode_attention(
       `default_tuning`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
-    if logits_dtype is None:
-        logits_dtype = jnp.float32 if q.dtype == jnp.float32 else jnp.float16
-    elif not _is_dtype(logits_dtype, jnp.float16, jnp.float32):
-        raise ValueError(f"logits_dtype={logits_dtype!r}: expected None, float16 or float32")
+    logits_dtype = logits_dtype_for(q.dtype, logits_dtype)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
                                         dtypes=DTYPES, max_group=MAX_GROUP)
     return _paged_decode_attention(
         q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
-        logits_dtype=jnp.dtype(logits_dtype), sm_scale=sm_scale,
+        logits_dtype=logits_dtype, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels.decode_attention import (
-    DecodeAttention, default_tuning, float16_logits_bound, paged_decode_attention,
-    paged_decode_attention_reference)
+    DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
+    paged_decode_attention, paged_decode_attention_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 LSE_ATOL = 1e-4
@@ -59,9 +59,7 @@ def assert_scores_match(got, want, bound=0.0):
 
 def logits_bound(args, score, kv_heads=None, logits_dtype=None):
     """The bound the kernel's logits dtype (its default: float16 for 16-bit q) allows."""
-    if logits_dtype is None:
-        logits_dtype = jnp.float32 if args[0].dtype == jnp.float32 else jnp.float16
-    if jnp.dtype(logits_dtype) == jnp.float32:
+    if logits_dtype_for(args[0].dtype, logits_dtype) == jnp.float32:
         return 0.0
     return np.asarray(float16_logits_bound(*args, score=score, kv_heads=kv_heads))
 
