@@ -10,11 +10,11 @@ from .prefill_attention import (PrefillAttention, paged_prefill_attention,
                                 paged_tile_scores_reference)
 from .sparse_attention import (SparseAttention, sparse_decode_attention,
                                sparse_decode_attention_reference)
-from .topk import (Selected, fixed_budget, ratio_budget, threshold_budget, top_p_budget,
+from .topk import (LogitRows, Selected, fixed_budget, ratio_budget, threshold_budget, top_p_budget,
                    topk_select, topk_select_reference)
 
 __all__ = [
-    "DecodeAttention", "PrefillAttention", "Selected", "SparseAttention", "fixed_budget",
+    "DecodeAttention", "LogitRows", "PrefillAttention", "Selected", "SparseAttention", "fixed_budget",
     "paged_decode_attention", "paged_decode_attention_reference", "paged_prefill_attention",
     "paged_prefill_attention_reference", "paged_tile_scores", "paged_tile_scores_reference",
     "ratio_budget", "sparse_decode_attention",

@@ -30,8 +30,10 @@ from jax import lax
 
 from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
+from sparsejax.pallas_kernels.topk import LogitRows
 
 SCORES = (None, "max_heads", "group_sum", "mean_query", "head_probs")
+UNPOOLED_SCORES = ("group_sum", "mean_query", "head_probs")  # as LogitRows, pool_scores=False
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (8, 16, 32, 64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -43,7 +45,7 @@ NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this 
 class DecodeAttention(NamedTuple):
     out: jax.Array | None  # [B, HQ, D] in q's dtype; None for the scores pass alone
     lse: jax.Array  # [B, HQ] float32, natural log
-    scores: jax.Array | None  # see `paged_decode_attention`
+    scores: jax.Array | LogitRows | None  # see `paged_decode_attention`
 
 
 def _decode_kernel(
@@ -149,8 +151,8 @@ def _decode_kernel(
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, values,
-                   logits_dtype, sm_scale, interpret, block_n, num_splits, num_warps,
-                   num_stages):
+                   pool_scores, logits_dtype, sm_scale, interpret, block_n, num_splits,
+                   num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -193,36 +195,38 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
     scores = None
     if score is not None:
         relative, block_max = logits  # s = (s - m) + m
-        logits = relative.astype(jnp.float32) + jnp.repeat(
-            block_max, block_n, axis=-1)[..., :max_tokens]
-        scores = _pool_logits(score, logits, lse, jnp.minimum(lengths, max_tokens), active,
-                              page_size=page_size, kv_heads=kv_heads)
+        scores = _logit_rows(score, relative, block_max, lse, kv_heads=kv_heads,
+                             block_n=block_n)
+        if pool_scores:
+            scores = _pool_scores(score, scores.scores(), jnp.minimum(lengths, max_tokens),
+                                  active, page_size=page_size)
     return DecodeAttention(out, lse, scores)
 
 
-def _pool_logits(score, logits, lse, lengths, active, *, page_size, kv_heads):
-    """Kernel epilogue: scaled logits + final LSE -> the requested score.
-
-    logits [B, HQ, T] (or [B, HK, T] group-mean logits for mean_query); positions at or past
-    the length and the heads of skipped KV heads hold garbage and are masked out here.
-    """
-    batch, q_heads = lse.shape
-    max_tokens = logits.shape[-1]
-    valid = jnp.arange(max_tokens)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
-    kv_valid = q_valid = valid
-    if active is not None:
-        kv_valid = valid & active[None, :, None]
-        q_valid = valid & jnp.repeat(active, q_heads // kv_heads)[None, :, None]
-    if score == "mean_query":
-        return jnp.where(kv_valid, logits, -jnp.inf)
-    prob = jnp.exp(logits - lse[..., None])
-    if score == "head_probs":
-        return jnp.where(q_valid, prob, -jnp.inf)
-    prob = jnp.where(q_valid, prob, 0.0)
+def _logit_rows(score, relative, block_max, lse, *, kv_heads: int, block_n: int) -> LogitRows:
+    """The kernel's logits [B, R, T] (R = HQ, or HK for mean_query) and their block maxes as
+    score rows [B, groups, G, T]: each KV head's query group (group_sum), each query head
+    (head_probs; max_heads pools these), each KV head's mean-query logits (mean_query)."""
     if score == "group_sum":
-        summed = prob.reshape(batch, kv_heads, -1, max_tokens).sum(axis=2)
-        return jnp.where(kv_valid, summed, -jnp.inf)
-    per_page = prob.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
+        batch, q_heads = lse.shape
+        def grouped(x):
+            return x.reshape(batch, kv_heads, q_heads // kv_heads, *x.shape[2:])
+        return LogitRows(grouped(relative), grouped(block_max), grouped(lse), block_n)
+    return LogitRows(relative[:, :, None], block_max[:, :, None],
+                     None if score == "mean_query" else lse[:, :, None], block_n)
+
+
+def _pool_scores(score, scores, lengths, active, *, page_size: int):
+    """Kernel epilogue: `_logit_rows(...).scores()` [B, groups, T] -> the requested score.
+    Positions at or past the length and the heads of skipped KV heads hold garbage: -inf
+    (for max_heads, pages past the length)."""
+    batch, groups, max_tokens = scores.shape
+    valid = jnp.arange(max_tokens)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
+    if active is not None:  # per KV head; each query head of a group shares its head's
+        valid = valid & jnp.repeat(active, groups // active.shape[0])[None, :, None]
+    if score != "max_heads":
+        return jnp.where(valid, scores, -jnp.inf)
+    per_page = jnp.where(valid, scores, 0.0).max(axis=1).reshape(batch, -1, page_size).sum(-1)
     page_valid = jnp.arange(per_page.shape[1])[None, :] * page_size < lengths[:, None]
     return jnp.where(page_valid, per_page, -jnp.inf)
 
@@ -263,10 +267,14 @@ def _check_tuning(block_n, num_splits, num_warps, num_stages):
         raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values=True):
+def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values=True,
+                  pool_scores=True):
     """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
     if score not in SCORES:
         raise ValueError(f"score={score!r}: expected one of {SCORES}")
+    if not pool_scores and score not in UNPOOLED_SCORES:
+        raise ValueError(f"pool_scores=False with score={score!r}: only {UNPOOLED_SCORES} "
+                         "come back unpooled (max_heads pools across every head's LSE)")
     if not values and score is None:
         raise ValueError("values=False computes only the scores: it needs a score, got "
                          "score=None")
@@ -306,6 +314,7 @@ def paged_decode_attention(
     *,
     score: str | None = None,
     values: bool = True,
+    pool_scores: bool = True,
     kv_heads: jax.Array | None = None,  # [HK] bool
     sm_scale: float | None = None,
     logits_dtype=None,
@@ -336,6 +345,12 @@ def paged_decode_attention(
                       -inf at positions >= length (oracle top-k, TidalDecode).
     values: False runs the scores pass alone (needs a score): V is never read and out is
       None; lse and scores are those of the full pass.
+    pool_scores: False (for group_sum, mean_query and head_probs) returns the scores unpooled,
+      as `topk.LogitRows` [B, groups, G, T] (groups = HK, HQ, HK): what the kernel wrote,
+      which `topk_select` pools while it reads it, so the pooled [B, groups, T] float32
+      never round-trips through memory. `LogitRows.scores()` is the pooled array. Positions
+      >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
+      (`topk_select` by its `valid`).
     kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
       are computed; the others are skipped and get out 0, lse -inf and -inf scores
       ("max_heads" takes the max over the computed heads). None computes every head.
@@ -354,30 +369,32 @@ def paged_decode_attention(
     block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path; None picks
       `default_tuning`.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
+                  pool_scores)
     logits_dtype = logits_dtype_for(q.dtype, logits_dtype)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
                                         dtypes=DTYPES, max_group=MAX_GROUP)
     return _paged_decode_attention(
         q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
-        logits_dtype=logits_dtype, sm_scale=sm_scale,
+        pool_scores=bool(pool_scores), logits_dtype=logits_dtype, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "score", "values", "logits_dtype", "sm_scale", "backend", "interpret", "block_n",
-    "num_splits", "num_warps", "num_stages"))
+    "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
+    "block_n", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
-                            values, logits_dtype, sm_scale, backend, interpret, block_n,
-                            num_splits, num_warps, num_stages):
+                            values, pool_scores, logits_dtype, sm_scale, backend, interpret,
+                            block_n, num_splits, num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
     if backend == "reference":
         return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths,
-                                                score=score, values=values, kv_heads=kv_heads,
+                                                score=score, values=values,
+                                                pool_scores=pool_scores, kv_heads=kv_heads,
                                                 sm_scale=sm_scale)
     tuning = default_tuning(q.shape[0], k_pages.shape[1], q.shape[2], k_pages.shape[2],
                             page_table.shape[1], q.dtype, scores=score is not None)
@@ -386,17 +403,21 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(**tuning)
     return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
-                          values=values, logits_dtype=logits_dtype, sm_scale=sm_scale,
+                          values=values, pool_scores=pool_scores, logits_dtype=logits_dtype,
+                          sm_scale=sm_scale,
                           interpret=common.resolve_interpret(interpret), **tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("score", "values", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("score", "values", "pool_scores", "sm_scale"))
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *,
                                      score: str | None = None, values: bool = True,
+                                     pool_scores: bool = True,
                                      kv_heads: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
-    """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout."""
-    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values)
+    """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout.
+    Unpooled scores are the exact logits as one key block (block_n = T)."""
+    _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
+                  pool_scores)
     batch, q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     max_tokens = page_table.shape[1] * page_size
@@ -425,15 +446,23 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
     kv_valid = valid[:, None, :] & active[None, :, None]  # [B, HK, T]
 
     scores = None
-    if score == "max_heads":
+    if score == "mean_query":  # [B, HK, T]: logits of the group-mean query
+        scores = jnp.einsum("bhd,bhtd->bht", qg.mean(axis=2), k, precision=hp) * sm_scale
+    if not pool_scores:  # one key block: the row's max, the logits relative to it
+        logits = (logits if score == "group_sum" else scores[:, :, None]
+                  if score == "mean_query" else logits.reshape(batch, q_heads, 1, max_tokens))
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        scores = LogitRows(logits - row_max, row_max,
+                           None if score == "mean_query" else lse.reshape(logits.shape[:-1]),
+                           max_tokens)
+    elif score == "max_heads":
         per_token = prob.max(axis=(1, 2)).reshape(batch, -1, page_size).sum(axis=-1)
         page_valid = valid.reshape(batch, -1, page_size)[..., 0]
         scores = jnp.where(page_valid, per_token, -jnp.inf)
     elif score == "group_sum":
         scores = jnp.where(kv_valid, prob.sum(axis=2), -jnp.inf)
     elif score == "mean_query":
-        qbar = qg.mean(axis=2)  # [B, HK, D]
-        scores = jnp.einsum("bhd,bhtd->bht", qbar, k, precision=hp) * sm_scale
         scores = jnp.where(kv_valid, scores, -jnp.inf)
     elif score == "head_probs":
         scores = jnp.where(kv_valid[:, :, None, :], prob, -jnp.inf)

@@ -57,6 +57,7 @@ Budget helpers give k_row per row for LycheeDecode's four budget modes and Kasca
 """
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import functools
 import math
@@ -108,6 +109,98 @@ class Selected(NamedTuple):
     count: jax.Array    # [R] int32
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["relative", "block_max", "lse"], meta_fields=["block_n"])
+@dataclasses.dataclass(frozen=True)
+class LogitRows:
+    """Score rows as the dense decode kernel leaves them, pooled where they are read: the
+    top-k loads these instead of a materialised [R, N] float32 copy.
+
+    With m = block_max[..., g, t // block_n], the score at column t is
+      lse given:  sum over g of exp(relative[..., g, t]) * exp(m - lse[..., g])
+                  (probabilities of the heads g, summed in order g = 0, 1, ...; the second
+                  factor is one per key block, so a column costs one exp per head)
+      lse None:   relative[..., 0, t] + m  (a logit; one head)
+    relative <= 0 (logits minus a running max m >= them) keeps the first factor in (0, 1].
+    `topk_select` takes [R, G, N] rows; the kernel returns a leading [B, groups] instead.
+    """
+    relative: jax.Array     # [..., G, N] float16 or float32: logits minus a running max
+    block_max: jax.Array    # [..., G, ceil(N / block_n)] float32: that max per key block
+    lse: jax.Array | None   # [..., G] float32: each head's log-sum-exp; None: logits
+    block_n: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The score array's shape: the leading dims and N."""
+        return (*self.relative.shape[:-2], self.relative.shape[-1])
+
+    def take(self, groups, axis: int = 1) -> "LogitRows":
+        """The rows of `groups` along a leading axis (as `scores[:, groups]`)."""
+        def pick(x):
+            return None if x is None else jnp.take(x, jnp.asarray(groups), axis=axis)
+        return LogitRows(pick(self.relative), pick(self.block_max), pick(self.lse),
+                         self.block_n)
+
+    def rows(self) -> "LogitRows":
+        """Leading dims flattened: [R, G, N] rows for `topk_select`."""
+        def flat(x, trailing):
+            return None if x is None else x.reshape(-1, *x.shape[x.ndim - trailing:])
+        return LogitRows(flat(self.relative, 2), flat(self.block_max, 2), flat(self.lse, 1),
+                         self.block_n)
+
+    def scores(self) -> jax.Array:
+        """The materialised scores [..., N] float32."""
+        n = self.relative.shape[-1]
+        per_block = _block_term(self.block_max, None if self.lse is None else self.lse[..., None])
+        per_column = jnp.repeat(per_block, self.block_n, axis=-1)[..., :n]
+        return _pool_heads(lambda g: self.relative[..., g, :], lambda g: per_column[..., g, :],
+                           self.relative.shape[-2], probs=self.lse is not None)
+
+    def _load(self, rows, row_ok, start, width: int, stride: int, present):
+        """Inside a kernel (fields are refs): the scores of rows [BR] x columns
+        (start + [0, width)) * stride; start is a multiple of width."""
+        cols = (start + lax.iota(jnp.int32, width)[None, :]) * stride
+        num_blocks, block_n = self.block_max.shape[-1], self.block_n
+        lse = None if self.lse is None else (
+            lambda g: plgpu.load(self.lse.at[rows, g], mask=row_ok, other=0)[:, None])
+        if stride == 1 and width % block_n == 0:
+            # whole key blocks: one block term per block, broadcast over its columns
+            blocks = start // block_n + lax.iota(jnp.int32, width // block_n)[None, :]
+            ok = row_ok[:, None] & (blocks < num_blocks)
+
+            def per_column(g):
+                m = plgpu.load(self.block_max.at[rows[:, None], g, blocks], mask=ok, other=0)
+                term = _block_term(m, None if lse is None else lse(g))
+                return jnp.broadcast_to(term[:, :, None], (*term.shape, block_n)).reshape(
+                    term.shape[0], width)
+        else:  # strided or part of a block: gather each column's block max
+            def per_column(g):
+                m = plgpu.load(self.block_max.at[rows[:, None], g, cols // block_n],
+                               mask=present, other=0)
+                return _block_term(m, None if lse is None else lse(g))
+        return _pool_heads(
+            lambda g: plgpu.load(self.relative.at[rows[:, None], g, cols], mask=present,
+                                 other=0),
+            per_column, self.relative.shape[-2], probs=lse is not None)
+
+
+def _block_term(block_max, lse):
+    """What a key block contributes to each of its columns: exp(m - lse) (probabilities),
+    or m (logits, lse None)."""
+    return block_max if lse is None else jnp.exp(block_max - lse)
+
+
+def _pool_heads(relative, per_column, heads: int, probs: bool):
+    """The one formula of `LogitRows`, on jnp arrays or kernel tiles: relative(g) and
+    per_column(g) (`_block_term` at each column) -> the pooled scores."""
+    total = None
+    for g in range(heads):
+        x = relative(g).astype(jnp.float32)
+        term = jnp.exp(x) * per_column(g) if probs else x + per_column(g)
+        total = term if total is None else total + term
+    return total
+
+
 def _order_key(x):
     """float32 -> int32 whose signed order is the score order (NaN lowest, -0.0 == +0.0)."""
     bits = lax.bitcast_convert_type(x, jnp.int32)
@@ -147,7 +240,10 @@ def _tile_keys(scores_ref, rows, row_ok, valid, start, width: int, force_first: 
     """Order keys of columns (start + [0, width)) * stride -> (cols [1, W], key [BR, W])."""
     cols = (start + lax.iota(jnp.int32, width)[None, :]) * stride
     present = row_ok[:, None] & (cols < valid[:, None])
-    x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
+    if isinstance(scores_ref, LogitRows):  # every caller's start is a multiple of width
+        x = scores_ref._load(rows, row_ok, start, width, stride, present)
+    else:
+        x = plgpu.load(scores_ref.at[rows[:, None], cols], mask=present, other=0.0)
     forced = _forced_mask(cols, valid[:, None], force_first, force_last)
     key = jnp.where(forced, FORCED_KEY, _order_key(x))
     return cols, jnp.where(present, key, MISSING_KEY)
@@ -687,10 +783,32 @@ def _topk_sampled_pallas(scores, valid, k_row, *, k, force_first, force_last, sa
 # Public function
 
 
+def _check_logit_rows(rows: LogitRows):
+    relative, block_max, lse = rows.relative, rows.block_max, rows.lse
+    if relative.ndim != 3 or relative.dtype not in (jnp.float16, jnp.float32):
+        raise ValueError(f"LogitRows.relative: shape={relative.shape} dtype={relative.dtype}: "
+                         "expected [R, G, N] float16 or float32")
+    num_rows, heads, n = relative.shape
+    if not isinstance(rows.block_n, int) or rows.block_n < 1:
+        raise ValueError(f"LogitRows.block_n={rows.block_n!r}: expected an int >= 1")
+    want = (num_rows, heads, common.cdiv(n, rows.block_n))
+    if block_max.shape != want or block_max.dtype != jnp.float32:
+        raise ValueError(f"LogitRows.block_max: shape={block_max.shape} dtype="
+                         f"{block_max.dtype}: expected {list(want)} float32")
+    if lse is None and heads != 1:
+        raise ValueError(f"LogitRows with lse=None and G={heads} heads: logits come one head "
+                         "per row (G = 1)")
+    if lse is not None and (lse.shape != (num_rows, heads) or lse.dtype != jnp.float32):
+        raise ValueError(f"LogitRows.lse: shape={lse.shape} dtype={lse.dtype}: expected "
+                         f"[{num_rows}, {heads}] float32")
+
+
 def _check_inputs(scores, k, valid, k_row, force_first, force_last):
-    if scores.ndim != 2 or scores.dtype != jnp.float32:
+    if isinstance(scores, LogitRows):
+        _check_logit_rows(scores)
+    elif scores.ndim != 2 or scores.dtype != jnp.float32:
         raise ValueError(f"scores: shape={scores.shape} dtype={scores.dtype}: "
-                         "expected a [R, N] float32 array")
+                         "expected a [R, N] float32 array or LogitRows")
     num_rows, _ = scores.shape
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k={k!r}: expected a static int >= 1 (the output width)")
@@ -824,7 +942,9 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
                 num_stages: int | None = None) -> Selected:
     """Per row, the `count` best valid columns, ascending, padded with -1 to width k.
 
-    scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf
+    scores  [R, N] float32; -inf ranks below every finite score, NaN below -inf. Or
+            `LogitRows` [R, G, N], the dense decode kernel's unpooled output: each path
+            pools it as it loads it, so the pooled scores never round-trip through memory
     k       static int >= 1: output width (may exceed N)
     valid   [R] int: columns that exist per row (clipped to [0, N])
     k_row   [R] int: the row's budget (clipped to [0, k]); None means k
@@ -852,6 +972,8 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
     k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)
     options = dict(k=k, force_first=force_first, force_last=force_last)
     if backend == "reference":
+        if isinstance(scores, LogitRows):
+            scores = scores.scores()
         return _topk_reference_jit(scores, valid, k_row, **options)
     return _topk_pallas_jit(scores, valid, k_row, **options,
                             interpret=common.resolve_interpret(interpret), **tuning)
@@ -865,6 +987,8 @@ def topk_select_reference(scores, k: int, *, valid, k_row=None, force_first: int
                           force_last: int = 0) -> Selected:
     """Plain jnp twin of `topk_select` built on `lax.top_k` (ties: lower index first)."""
     _check_inputs(scores, k, valid, k_row, force_first, force_last)
+    if isinstance(scores, LogitRows):
+        scores = scores.scores()
     num_rows, n = scores.shape
     valid = jnp.clip(jnp.asarray(valid, jnp.int32), 0, n)[:, None]                   # [R, 1]
     k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)

@@ -14,8 +14,9 @@ from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pa
 from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
-from sparsejax.pallas_kernels import (fixed_budget, paged_decode_attention, ratio_budget,
-                                      threshold_budget, top_p_budget, topk_select)
+from sparsejax.pallas_kernels import (LogitRows, fixed_budget, paged_decode_attention,
+                                      ratio_budget, threshold_budget, top_p_budget,
+                                      topk_select)
 from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 
@@ -26,6 +27,33 @@ def kernel_score(s: Selector) -> Score:
     if s.score == Score.MAX_HEADS and s.head_shards is not None:
         return Score.HEAD_PROBS
     return Score.GROUP_SUM if s.score == Score.ALL_HEADS_SUM else s.score
+
+
+def topk_can_pool(s: Selector) -> bool:
+    """Whether `select` can hand the top-k the dense kernel's unpooled logits (`LogitRows`),
+    pooled as they are read: per-token scores of one group (Kascade's group sums, Lychee's
+    mean-query logits, Tidal's per-head probabilities) under a budget that does not read
+    the scores."""
+    return (s.unit == 1 and s.head_shards is None and s.budget.kind in ("fixed", "ratio")
+            and s.score in (Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS))
+
+
+def pools_in_topk(s: Selector) -> bool:
+    """Whether a selecting layer asks the kernel for unpooled scores (`pool_scores=False`)
+    instead of pooled ones written by an epilogue and read back: where one head's logit
+    makes each score (Lychee, Tidal), whose float16 rows also load in half the bytes.
+    Kascade's group sums keep the epilogue: the top-k recomputes a G-head pooling on every
+    read of a row, so it only wins where the row is read once (H200, B=64: anchor layer
+    1.126x dense against 1.133x at 32k, resident rows; 1.20x against 1.13x at 16k and 1.25x
+    against 1.21x at 64k, re-read rows)."""
+    return topk_can_pool(s) and s.score != Score.GROUP_SUM
+
+
+def take_groups(scores, groups):
+    """scores[:, groups] for a score array or `LogitRows`."""
+    if isinstance(scores, LogitRows):
+        return scores.take(groups)
+    return scores[:, groups]
 
 
 def max_units(capacity: int, unit: int) -> int:
@@ -88,8 +116,8 @@ def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Arr
     return _pool(scores, s.unit, logits=s.score.is_logit)
 
 
-def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, lengths: jax.Array,
-           capacity: int, groups: int | None = None) -> Selection:
+def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows | None,
+           lengths: jax.Array, capacity: int, groups: int | None = None) -> Selection:
     """Top-k units per (row, group) under the selector's budget, sinks and recent window.
     `groups` overrides the selector's group count (scores of a subset of the groups)."""
     s = plan.selector
@@ -97,13 +125,23 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | None, leng
     G = s.num_groups(config) if groups is None else groups
     valid_units = -(-lengths // s.unit)                                   # [B]
     n_units = max_units(capacity, s.unit)
-    u = unit_scores(s, scores, plan.page_size, lengths)
-    u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
-    if u.shape[-1] < n_units:   # Score.NONE, or kernels that return fewer columns
-        u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])), constant_values=-jnp.inf)
-    rows = u[..., :n_units].reshape(B * G, n_units)
     valid = jnp.repeat(valid_units, G).astype(jnp.int32)
     k = buffer_size(s, capacity)
+    if isinstance(scores, LogitRows) and topk_can_pool(s):
+        if scores.shape != (B, G, n_units):
+            raise ValueError(f"scores: LogitRows of shape {scores.shape}: expected "
+                             f"{(B, G, n_units)} (batch, groups, capacity)")
+        rows = scores.rows()    # pooled inside the top-k; garbage past `valid` is never read
+    else:
+        if isinstance(scores, LogitRows):
+            scores = jnp.where(jnp.arange(scores.shape[-1]) < lengths[:, None, None],
+                               scores.scores(), -jnp.inf)
+        u = unit_scores(s, scores, plan.page_size, lengths)
+        u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
+        if u.shape[-1] < n_units:   # Score.NONE, or kernels that return fewer columns
+            u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])),
+                        constant_values=-jnp.inf)
+        rows = u[..., :n_units].reshape(B * G, n_units)
     k_row = budget_rows(s, rows, valid, k)
     force_first, force_last = forced_units(s, n_units)
     chosen = topk_select(rows, k, valid=valid, k_row=k_row, force_first=force_first,
@@ -166,7 +204,8 @@ def pre_attention_scores(plan: SparsePlan, at):
     if s.score == Score.NONE:
         return None
     return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                                  score=kernel_score(s), values=False).scores
+                                  score=kernel_score(s), values=False,
+                                  pool_scores=not pools_in_topk(s)).scores
 
 
 def quest_bound(q, kmin, kmax, page_table, lengths, page_size):

@@ -144,7 +144,8 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if role == Role.DENSE:
         return _dense(at).out, sel, None
     if role == Role.SELECT:
-        r = _dense(at, score=selection.kernel_score(s))
+        r = _dense(at, score=selection.kernel_score(s),
+                   pool_scores=not selection.pools_in_topk(s))
         return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
     head_map = attended_head_map(role, s, at.step.head_map[at.layer])
     dense_heads = None
@@ -156,13 +157,14 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        r = _dense(at, score=selection.kernel_score(s), kv_heads=dense_heads)
+        r = _dense(at, score=selection.kernel_score(s), kv_heads=dense_heads,
+                   pool_scores=not selection.pools_in_topk(s))
         if isinstance(at.layer, int):
             # The retrieval heads are static here: select for their rows only (the top-k then
             # reads 1/HK of the rows when one head in HK retrieves, as is typical).
             heads = [h for h, is_retrieval in enumerate(plan.retrieval[at.layer]) if is_retrieval]
-            fresh = selection.select(plan, config, r.scores[:, heads], lengths, capacity,
-                                     groups=len(heads))
+            fresh = selection.select(plan, config, selection.take_groups(r.scores, heads),
+                                     lengths, capacity, groups=len(heads))
             sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
                             count=sel.count.at[:, heads].set(fresh.count))
         else:

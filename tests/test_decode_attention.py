@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
+from sparsejax.pallas_kernels import LogitRows, topk_select, topk_select_reference
 from sparsejax.pallas_kernels.decode_attention import (
-    DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
+    UNPOOLED_SCORES, DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
     paged_decode_attention, paged_decode_attention_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
@@ -410,6 +411,52 @@ def test_scores_pass_alone_negative_control(interpret):
                                    interpret=interpret, **opts).scores,
             paged_decode_attention(*args, score=score, backend="pallas", interpret=interpret,
                                    **opts).scores, rtol=1e-5, atol=1e-12)
+
+
+UNPOOLED_CORNERS = [c for c in CORNERS if c[1] in UNPOOLED_SCORES]
+
+
+@pytest.mark.parametrize("values", [True, False], ids=["full", "scores_pass"])
+@pytest.mark.parametrize("cfg,score,dtype,opts", UNPOOLED_CORNERS)
+def test_unpooled_scores(cfg, score, dtype, opts, values, interpret):
+    """pool_scores=False hands back the kernel's logits as LogitRows [B, groups, G, T]:
+    pooled (and masked where the pooled scores are -inf) they are the pooled scores, for the
+    kernel and the reference alike, and the top-k that pools them as it reads selects what
+    the reference top-k selects on the pooled scores."""
+    args = make_case(13, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    opts = dict(opts)
+    kv_heads = opts.pop("kv_heads", None)
+    kw = dict(score=score, values=values, kv_heads=None if kv_heads is None else
+              jnp.asarray(kv_heads))
+    lengths = np.asarray(args[4])
+    for backend in ("pallas", "reference"):
+        tuning = dict(interpret=interpret, **opts) if backend == "pallas" else {}
+        pooled = paged_decode_attention(*args, backend=backend, **kw, **tuning).scores
+        raw = paged_decode_attention(*args, backend=backend, pool_scores=False, **kw,
+                                     **tuning).scores
+        assert isinstance(raw, LogitRows) and raw.shape == pooled.shape
+        masked = jnp.where(jnp.isneginf(pooled), -jnp.inf, raw.scores())
+        scale = np.max(np.abs(pooled[np.isfinite(pooled)]), initial=0.0)
+        # the same values up to rounding: logits are rebuilt as (s - m) + m, probabilities
+        # as exp(s - m) exp(m - lse)
+        np.testing.assert_allclose(masked, pooled, rtol=2e-6, atol=1e-6 * scale)
+        groups = pooled.shape[1]
+        valid = np.repeat(np.minimum(lengths, pooled.shape[-1]), groups)
+        if kv_heads is not None:  # the rows of skipped heads hold garbage: select none
+            valid = valid * np.tile(np.repeat(kv_heads, groups // len(kv_heads)), len(lengths))
+        k = max(1, pooled.shape[-1] // 4)
+        got = topk_select(raw.rows(), k, valid=valid, backend="pallas", interpret=interpret)
+        want = topk_select_reference(pooled.reshape(-1, pooled.shape[-1]), k, valid=valid)
+        np.testing.assert_array_equal(got.count, want.count)
+        if interpret:  # the GPU's exp may swap columns whose scores are within an ulp or two
+            np.testing.assert_array_equal(got.indices, want.indices)
+
+
+def test_unpooled_scores_reject_max_heads():
+    args = make_case(4, batch=1, q_heads=4, kv_heads=2, head_dim=64, page_size=8,
+                     max_pages=2, lengths=[9], dtype=jnp.float32)
+    with pytest.raises(ValueError, match="pool_scores=False with score='max_heads'"):
+        paged_decode_attention(*args, score="max_heads", pool_scores=False)
 
 
 @pytest.mark.parametrize("score", SCORES[1:])

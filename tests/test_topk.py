@@ -609,6 +609,86 @@ def test_budget_feeds_topk(interpret):
 
 
 # --------------------------------------------------------------------------------------------
+# LogitRows: the dense kernel's unpooled logits, pooled as each path reads them
+
+
+def make_logit_rows(seed, num_rows, heads, n, *, lse=True, dtype=jnp.float16, block_n=16):
+    """Rows as the decode kernel writes them: logits minus a running max (<= 0, rounded to
+    dtype, so that equal values, hence ties, occur), per-block maxes, per-head LSEs."""
+    rng = np.random.default_rng(seed)
+    relative = -np.abs(rng.standard_normal((num_rows, heads, n))) * 4
+    block_max = rng.standard_normal((num_rows, heads, -(-n // block_n))).astype(np.float32)
+    rows = topk.LogitRows(jnp.asarray(relative, dtype), jnp.asarray(block_max),
+                          jnp.asarray(rng.standard_normal((num_rows, heads)) + 3, jnp.float32)
+                          if lse else None, block_n)
+    return rows
+
+
+def numpy_pooled(rows):
+    """float64 numpy twin of the pooling: the sum over heads of exp(relative + block max -
+    lse), or the logit relative + block max."""
+    relative = np.asarray(rows.relative, np.float64)
+    block_max = np.repeat(np.asarray(rows.block_max, np.float64), rows.block_n, axis=-1)
+    logits = relative + block_max[..., :relative.shape[-1]]
+    if rows.lse is None:
+        return logits[:, 0]
+    return np.exp(logits - np.asarray(rows.lse, np.float64)[..., None]).sum(axis=1)
+
+
+LOGIT_ROWS = [dict(heads=4), dict(heads=1), dict(heads=1, lse=False),
+              dict(heads=3, dtype=jnp.float32, block_n=8)]
+
+
+@pytest.mark.parametrize("spec", LOGIT_ROWS, ids=["group_sum", "head_probs", "mean_query",
+                                                  "f32_g3"])
+def test_logit_rows_pool_as_read(spec, interpret):
+    """Every path pools LogitRows while loading them and selects what the numpy twin selects
+    on the pooled float32 scores (per-row resident and tiled, split, sampled), with ragged
+    lengths, budgets and forced columns."""
+    rows = make_logit_rows(5, 4, n=200, **spec)
+    pooled = numpy_pooled(rows)
+    np.testing.assert_allclose(rows.scores(), pooled, rtol=2e-6)
+    valid = np.array([200, 131, 0, 17], np.int32)
+    k_row = np.array([30, 40, 5, 12], np.int32)
+    expected = numpy_topk(pooled, 48, valid, k_row, 2, 5)
+    kw = dict(valid=valid, k_row=k_row, force_first=2, force_last=5)
+    assert_selected(topk.topk_select_reference(rows, 48, **kw), expected)
+    for layout in (dict(), dict(block_sel=64), dict(block_n=64, block_sel=32, block_k=8),
+                   dict(block_rows=2, block_n=256), SPLIT, dict(SAMPLED, split=True)):
+        out = topk.topk_select(rows, 48, backend="pallas", interpret=interpret, **kw, **layout)
+        assert_selected(out, expected)
+
+
+def test_logit_rows_negative_control(interpret):
+    """The block maxes and LSEs change the selection: pooling the relative logits alone, or
+    with the maxes of the wrong blocks, selects differently."""
+    rows = make_logit_rows(6, 2, 4, 128)
+    valid = np.array([128, 128], np.int32)
+    want = topk.topk_select(rows, 16, valid=valid, backend="pallas", interpret=interpret)
+    for wrong in (topk.LogitRows(rows.relative, jnp.zeros_like(rows.block_max), rows.lse, 16),
+                  topk.LogitRows(rows.relative, rows.block_max[..., ::-1], rows.lse, 16),
+                  topk.LogitRows(rows.relative, rows.block_max, rows.lse[:, ::-1], 16)):
+        got = topk.topk_select(wrong, 16, valid=valid, backend="pallas", interpret=interpret)
+        assert not np.array_equal(np.asarray(got.indices), np.asarray(want.indices))
+
+
+@pytest.mark.parametrize("rows, match", [
+    (lambda r: topk.LogitRows(r.relative.astype(jnp.bfloat16), r.block_max, r.lse, 16),
+     "LogitRows.relative: .*bfloat16: expected \\[R, G, N\\] float16 or float32"),
+    (lambda r: topk.LogitRows(r.relative, r.block_max[..., :-1], r.lse, 16),
+     "LogitRows.block_max: shape=\\(2, 4, 3\\).*expected \\[2, 4, 4\\] float32"),
+    (lambda r: topk.LogitRows(r.relative, r.block_max, None, 16),
+     "lse=None and G=4 heads"),
+    (lambda r: topk.LogitRows(r.relative, r.block_max, r.lse[:, :2], 16),
+     "LogitRows.lse: shape=\\(2, 2\\).*expected \\[2, 4\\] float32"),
+    (lambda r: topk.LogitRows(r.relative, r.block_max, r.lse, 0), "block_n=0"),
+])
+def test_logit_rows_errors(rows, match):
+    with pytest.raises(ValueError, match=match):
+        topk.topk_select(rows(make_logit_rows(1, 2, 4, 64)), 8, valid=np.array([64, 64]))
+
+
+# --------------------------------------------------------------------------------------------
 # Lowering for CUDA and native GPU runs
 
 
@@ -649,6 +729,58 @@ def test_lowers_for_cuda(monkeypatch, num_rows, n, k, tuning, num_kernels):
                           jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), jnp.int32))
     assert "triton" in text
     assert len(modules) == num_kernels and all(m.operation.verify() for m in modules)
+
+
+@pytest.mark.parametrize("num_rows, n, heads, lse, num_kernels", [
+    (512, 32768, 4, True, 1),       # Kascade's group sums at 32k: resident per-row path
+    (2048, 32768, 1, True, 1),      # TidalDecode's per-head probabilities
+    (512, 131072, 1, False, 6),     # Lychee's mean-query logits at 128k: sampled path
+    (64, 8192, 4, True, 1),         # two rows per program: block_rows=2
+])
+def test_logit_rows_lower_for_cuda(monkeypatch, num_rows, n, heads, lse, num_kernels):
+    modules = triton_modules(monkeypatch)
+    blocks = n // 128
+
+    def fn(relative, block_max, lse_, v, kr):
+        rows = topk.LogitRows(relative, block_max, lse_ if lse else None, 128)
+        return topk.topk_select(rows, n // 10, valid=v, k_row=kr, force_first=4, force_last=64,
+                                backend="pallas", interpret=False,
+                                block_rows=2 if n == 8192 else None)
+    text = lower_for_cuda(fn, jnp.zeros((num_rows, heads, n), jnp.float16),
+                          jnp.zeros((num_rows, heads, blocks), jnp.float32),
+                          jnp.zeros((num_rows, heads), jnp.float32),
+                          jnp.zeros((num_rows,), jnp.int32), jnp.zeros((num_rows,), jnp.int32))
+    assert "triton" in text
+    assert len(modules) == num_kernels and all(m.operation.verify() for m in modules)
+
+
+def assert_selection_near(out, scores, valid, count, rtol):
+    """A selection that may differ from the exact one only between scores within rtol of
+    each other (the GPU's exp is not XLA's): the counts match, and per row no column left
+    out scores above a kept one by more than rtol."""
+    np.testing.assert_array_equal(np.asarray(out.count), np.asarray(count))
+    scores, indices = np.asarray(scores), np.asarray(out.indices)
+    for r, c in enumerate(np.asarray(count)):
+        kept = indices[r, :c]
+        assert (indices[r, c:] == -1).all() and (np.diff(kept) > 0).all()
+        rest = np.setdiff1d(np.arange(int(valid[r])), kept)
+        if c and len(rest):
+            low, high = scores[r, kept].min(), scores[r, rest].max()
+            assert high <= low + rtol * abs(low), (r, low, high)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_rows, n, heads, lse", [(512, 32768, 4, True),
+                                                     (2048, 32768, 1, True),
+                                                     (512, 131072, 1, False)])
+def test_native_logit_rows(num_rows, n, heads, lse):
+    rows = make_logit_rows(0, num_rows, heads, n, lse=lse, block_n=128)
+    rng = np.random.default_rng(1)
+    valid = rng.integers(n // 2, n + 1, num_rows).astype(np.int32)
+    k = n // 10
+    out = topk.topk_select(rows, k, valid=valid, backend="pallas")
+    ref = topk.topk_select_reference(rows, k, valid=valid)
+    assert_selection_near(out, rows.scores(), valid, ref.count, rtol=1e-5)
 
 
 @pytest.mark.gpu
