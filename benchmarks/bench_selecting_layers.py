@@ -10,7 +10,11 @@ Llama-3.1-8B layer shapes (32 query / 8 KV heads, d=128), bf16, page 16, B=64, c
               (<role>_scores, <role>_select): kascade (anchor, 10% and 20%), delta (Δ-layer,
               64 pages), lychee (every KV head a retrieval head, 10%), tidal (10%, per query head)
               Kascade's halves at the first ratio carry their ms per kernel (kernels_ms,
-              from the profiler): where the anchor's time goes.
+              from the profiler): where the anchor's time goes. Lychee and Tidal hand the
+              top-k the kernel's unpooled logits (`pools_in_topk`), pooled as they are read;
+              <role>_pooled_epilogue is the same layer with the pooled scores written by an
+              epilogue and read back by the top-k. Kascade keeps the epilogue;
+              kascade_pooled_in_topk is its layer the other way.
   kascade_reuse  the sparse kernel over the anchor's selection
   kascade_weighted  Table 3's weighting: 5 of 32 layers at the anchor's cost (layer 0 dense
               with them), 27 at the reuse layer's; its speedup over cuDNN, and the bound
@@ -48,7 +52,8 @@ from sparsejax import methods as M  # noqa: E402
 from sparsejax.models import ModelConfig  # noqa: E402
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
-from sparsejax.selection import kernel_score, select  # noqa: E402
+from sparsejax.selection import (kernel_score, pools_in_topk, select,  # noqa: E402
+                                 topk_can_pool)
 
 LAYER = MODELS["llama-8b"]
 FULL = dict(layer=LAYER, page_size=16, batch=64, contexts=(8192, 16384, 32768, 65536, 131072),
@@ -105,18 +110,22 @@ def cudnn_ms(shape, context, smoke):
     return ms
 
 
-def scores_of(q, k, v, table, lengths, *, plan, values=True):
+def scores_of(q, k, v, table, lengths, *, plan, values=True, pool_scores=None):
+    """The dense kernel with the role's scores, unpooled where the library hands them to the
+    top-k unpooled (`pools_in_topk`); pool_scores=True forces the pooled epilogue."""
+    if pool_scores is None:
+        pool_scores = not pools_in_topk(plan.selector)
     return paged_decode_attention(q, k, v, table, lengths, score=kernel_score(plan.selector),
-                                  values=values)
+                                  values=values, pool_scores=pool_scores)
 
 
 def selection_of(scores, lengths, *, plan, config, capacity):
     return select(plan, config, scores, lengths, capacity)
 
 
-def selecting_layer(q, k, v, table, lengths, *, plan, config):
+def selecting_layer(q, k, v, table, lengths, *, plan, config, pool_scores=None):
     """What a selecting layer runs: dense attention with the role's scores, then its top-k."""
-    r = scores_of(q, k, v, table, lengths, plan=plan)
+    r = scores_of(q, k, v, table, lengths, plan=plan, pool_scores=pool_scores)
     return r.out, selection_of(r.scores, lengths, plan=plan, config=config,
                                capacity=table.shape[1] * k.shape[2])
 
@@ -157,6 +166,11 @@ def context_rows(cfg, rows, batch, context, smoke):
             scores = scoring(*args).scores
             times = {name: time(layer, *args), f"{name}_scores": time(scoring, *args),
                      f"{name}_select": time(selecting, scores, args[4])}
+            if topk_can_pool(plan.selector):  # the same layer, pooled the other way
+                fused = pools_in_topk(plan.selector)
+                times[f"{name}_pooled_{'epilogue' if fused else 'in_topk'}"] = time(
+                    jax.jit(functools.partial(selecting_layer, plan=plan, config=config,
+                                              pool_scores=fused)), *args)
             kernels = {}
             if name == "kascade" and ratio == cfg["ratios"][0] and not smoke:
                 # where the anchor's time goes: ms per kernel of each half (profiler)
