@@ -346,7 +346,7 @@ def paged_decode_attention(
     values: False runs the scores pass alone (needs a score): V is never read and out is
       None; lse and scores are those of the full pass.
     pool_scores: False (for group_sum, mean_query and head_probs) returns the scores unpooled,
-      as `topk.LogitRows` [B, groups, G, T] (groups = HK, HQ, HK): what the kernel wrote,
+      as `topk.LogitRows` [B, groups, G, T] (groups = HK, HK, HQ): what the kernel wrote,
       which `topk_select` pools while it reads it, so the pooled [B, groups, T] float32
       never round-trips through memory. `LogitRows.scores()` is the pooled array. Positions
       >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
