@@ -52,7 +52,7 @@ from sparsejax import methods as M  # noqa: E402
 from sparsejax.models import ModelConfig  # noqa: E402
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
-from sparsejax.selection import (kernel_score, pools_in_topk, select,  # noqa: E402
+from sparsejax.selection import (kernel_scores, pools_in_topk, select,  # noqa: E402
                                  topk_can_pool)
 
 LAYER = MODELS["llama-8b"]
@@ -111,12 +111,12 @@ def cudnn_ms(shape, context, smoke):
 
 
 def scores_of(q, k, v, table, lengths, *, plan, values=True, pool_scores=None):
-    """The dense kernel with the role's scores, unpooled where the library hands them to the
-    top-k unpooled (`pools_in_topk`); pool_scores=True forces the pooled epilogue."""
-    if pool_scores is None:
-        pool_scores = not pools_in_topk(plan.selector)
-    return paged_decode_attention(q, k, v, table, lengths, score=kernel_score(plan.selector),
-                                  values=values, pool_scores=pool_scores)
+    """The dense kernel with the role's scores, as the library asks for them
+    (`kernel_scores`); pool_scores overrides whether they come back pooled."""
+    request = kernel_scores(plan.selector)
+    if pool_scores is not None:
+        request.update(pool_scores=pool_scores)
+    return paged_decode_attention(q, k, v, table, lengths, values=values, **request)
 
 
 def selection_of(scores, lengths, *, plan, config, capacity):

@@ -134,10 +134,10 @@ class LogitRows:
         """The score array's shape: the leading dims and N."""
         return (*self.relative.shape[:-2], self.relative.shape[-1])
 
-    def take(self, groups, axis: int = 1) -> "LogitRows":
-        """The rows of `groups` along a leading axis (as `scores[:, groups]`)."""
+    def take(self, groups) -> "LogitRows":
+        """The rows of `groups` along the groups axis (as `scores[:, groups]`)."""
         def pick(x):
-            return None if x is None else jnp.take(x, jnp.asarray(groups), axis=axis)
+            return None if x is None else jnp.take(x, jnp.asarray(groups), axis=1)
         return LogitRows(pick(self.relative), pick(self.block_max), pick(self.lse),
                          self.block_n)
 
@@ -972,8 +972,6 @@ def topk_select(scores, k: int, *, valid, k_row=None, force_first: int = 0, forc
     k_row = jnp.full((num_rows,), k, jnp.int32) if k_row is None else jnp.asarray(k_row, jnp.int32)
     options = dict(k=k, force_first=force_first, force_last=force_last)
     if backend == "reference":
-        if isinstance(scores, LogitRows):
-            scores = scores.scores()
         return _topk_reference_jit(scores, valid, k_row, **options)
     return _topk_pallas_jit(scores, valid, k_row, **options,
                             interpret=common.resolve_interpret(interpret), **tuning)

@@ -49,6 +49,12 @@ def pools_in_topk(s: Selector) -> bool:
     return topk_can_pool(s) and s.score != Score.GROUP_SUM
 
 
+def kernel_scores(s: Selector) -> dict:
+    """What a selecting layer asks of the dense kernel: `paged_decode_attention`'s score and
+    pool_scores arguments."""
+    return dict(score=kernel_score(s), pool_scores=not pools_in_topk(s))
+
+
 def take_groups(scores, groups):
     """scores[:, groups] for a score array or `LogitRows`."""
     if isinstance(scores, LogitRows):
@@ -204,8 +210,7 @@ def pre_attention_scores(plan: SparsePlan, at):
     if s.score == Score.NONE:
         return None
     return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                                  score=kernel_score(s), values=False,
-                                  pool_scores=not pools_in_topk(s)).scores
+                                  values=False, **kernel_scores(s)).scores
 
 
 def quest_bound(q, kmin, kmax, page_table, lengths, page_size):

@@ -144,8 +144,7 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if role == Role.DENSE:
         return _dense(at).out, sel, None
     if role == Role.SELECT:
-        r = _dense(at, score=selection.kernel_score(s),
-                   pool_scores=not selection.pools_in_topk(s))
+        r = _dense(at, **selection.kernel_scores(s))
         return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
     head_map = attended_head_map(role, s, at.step.head_map[at.layer])
     dense_heads = None
@@ -157,8 +156,7 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        r = _dense(at, score=selection.kernel_score(s), kv_heads=dense_heads,
-                   pool_scores=not selection.pools_in_topk(s))
+        r = _dense(at, kv_heads=dense_heads, **selection.kernel_scores(s))
         if isinstance(at.layer, int):
             # The retrieval heads are static here: select for their rows only (the top-k then
             # reads 1/HK of the rows when one head in HK retrieves, as is typical).
