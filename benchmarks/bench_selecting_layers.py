@@ -22,7 +22,8 @@ Llama-3.1-8B layer shapes (32 query / 8 KV heads, d=128), bf16, page 16, B=64, c
               over our dense layer).
   kascade_sparse_anchor  an anchor of `Kascade(sparse_anchors=True)` after layer 0, as the
               paper runs it: the scores pass without V (also alone, _scores), the top-k,
-              attention over that top-k
+              attention over that top-k, reading the scores pass's logits instead of K;
+              kascade_sparse_anchor_recomputed recomputes them from K, as the paper does
   kascade_weighted_sparse_anchors  the paper's weighting of its Table 3: 1/32 anchor layer 0
               (the dense anchor above), 4/32 sparse anchors, 27/32 reuse.
 The paper's decode rows (H100, fp16, vs FlashAttention-3) are in the JSON beside ours.
@@ -52,8 +53,8 @@ from sparsejax import methods as M  # noqa: E402
 from sparsejax.models import ModelConfig  # noqa: E402
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
-from sparsejax.selection import (kernel_scores, pools_in_topk, select,  # noqa: E402
-                                 topk_can_pool)
+from sparsejax.selection import (kernel_scores, pools_in_topk, scores_pass,  # noqa: E402
+                                 select, topk_can_pool)
 
 LAYER = MODELS["llama-8b"]
 FULL = dict(layer=LAYER, page_size=16, batch=64, contexts=(8192, 16384, 32768, 65536, 131072),
@@ -134,12 +135,15 @@ def reuse_layer(q, k, v, table, lengths, indices, count, *, unit):
     return sparse_decode_attention(q, k, v, table, lengths, indices, count, unit=unit).out
 
 
-def sparse_anchor_layer(q, k, v, table, lengths, *, plan, config):
+def sparse_anchor_layer(q, k, v, table, lengths, *, plan, config, own_logits=True):
     """What `Kascade(sparse_anchors=True)` runs at an anchor after layer 0 (a SELF layer, the
-    paper's passes): the scores without V, the top-k, attention over that top-k."""
-    r = scores_of(q, k, v, table, lengths, plan=plan, values=False)
-    sel = select(plan, config, r.scores, lengths, table.shape[1] * k.shape[2])
-    return reuse_layer(q, k, v, table, lengths, sel.indices, sel.count, unit=plan.selector.unit)
+    paper's passes): the scores without V, the top-k, attention over that top-k, which
+    reads the scores pass's logits instead of K (own_logits=False: recomputes them)."""
+    scores, logits = scores_pass(plan, q, k, v, table, lengths)
+    sel = select(plan, config, scores, lengths, table.shape[1] * k.shape[2])
+    return sparse_decode_attention(q, k, v, table, lengths, sel.indices, sel.count,
+                                   unit=plan.selector.unit,
+                                   logits=logits if own_logits else None).out
 
 
 def context_rows(cfg, rows, batch, context, smoke):
@@ -206,8 +210,10 @@ def context_rows(cfg, rows, batch, context, smoke):
             sparse_times = {
                 "kascade_sparse_anchor": time(jax.jit(functools.partial(
                     sparse_anchor_layer, plan=plan, config=config)), *args),
+                "kascade_sparse_anchor_recomputed": time(jax.jit(functools.partial(
+                    sparse_anchor_layer, plan=plan, config=config, own_logits=False)), *args),
                 "kascade_sparse_anchor_scores": time(jax.jit(functools.partial(
-                    scores_of, plan=plan, values=False)), *args)}
+                    scores_pass, plan)), *args)}
             for case, ms in sparse_times.items():
                 rows.append(row(case, ms=ms, ratio=ratio, ratio_to_dense=round(ms / dense, 3)))
             weighted = (anchor + (ANCHORS - 1) * sparse_times["kascade_sparse_anchor"] +

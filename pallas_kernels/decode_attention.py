@@ -198,8 +198,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
         scores = _logit_rows(score, relative, block_max, lse, kv_heads=kv_heads,
                              block_n=block_n)
         if pool_scores:
-            scores = _pool_scores(score, scores.scores(), jnp.minimum(lengths, max_tokens),
-                                  active, page_size=page_size)
+            scores = pool_logit_rows(score, scores, lengths, page_size=page_size,
+                                     kv_heads=active)
     return DecodeAttention(out, lse, scores)
 
 
@@ -216,14 +216,17 @@ def _logit_rows(score, relative, block_max, lse, *, kv_heads: int, block_n: int)
                      None if score == "mean_query" else lse[:, :, None], block_n)
 
 
-def _pool_scores(score, scores, lengths, active, *, page_size: int):
-    """Kernel epilogue: `_logit_rows(...).scores()` [B, groups, T] -> the requested score.
-    Positions at or past the length and the heads of skipped KV heads hold garbage: -inf
-    (for max_heads, pages past the length)."""
+def pool_logit_rows(score, rows: LogitRows, lengths, *, page_size: int, kv_heads=None):
+    """The kernel's epilogue: unpooled rows (`pool_scores=False`) -> the pooled `score`, as
+    `paged_decode_attention` returns it with pool_scores=True. `kv_heads` is the mask the
+    rows were computed under. Positions at or past the length and the heads of skipped KV
+    heads hold garbage in the rows: -inf here (for max_heads, pages past the length)."""
+    scores = rows.scores()  # [B, groups, T]
     batch, groups, max_tokens = scores.shape
+    lengths = jnp.minimum(lengths, max_tokens)
     valid = jnp.arange(max_tokens)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
-    if active is not None:  # per KV head; each query head of a group shares its head's
-        valid = valid & jnp.repeat(active, groups // active.shape[0])[None, :, None]
+    if kv_heads is not None:  # per KV head; each query head of a group shares its head's
+        valid = valid & jnp.repeat(kv_heads, groups // kv_heads.shape[0])[None, :, None]
     if score != "max_heads":
         return jnp.where(valid, scores, -jnp.inf)
     per_page = jnp.where(valid, scores, 0.0).max(axis=1).reshape(batch, -1, page_size).sum(-1)

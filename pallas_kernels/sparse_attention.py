@@ -44,6 +44,12 @@ prior_length) is a per-row position limit set before the loop, one compare per l
 default bound (lengths) is implied by the attended positions, so then the kernel takes no
 bound and its loop is the loop without the prior (the same registers and instructions; with
 jaxlib 0.10.2's Triton and ptxas 12.9 the row-dependent mask costs 8-21 registers per thread).
+
+Given logits. A layer that attends to the top-k of its own scores (Kascade's sparse anchors,
+oracle top-k) has already computed every q.k in its scores pass (`paged_decode_attention`
+with pool_scores=False leaves them as `topk.LogitRows`). With `logits=` the kernel gathers
+those at the selected positions (float16 and a float32 max per key block) instead of K:
+about a third of the bytes of a K row per token, so the step reads V and little else.
 """
 from __future__ import annotations
 
@@ -58,6 +64,7 @@ from jax import lax
 
 from . import common
 from .common import pl, plgpu
+from .topk import LogitRows
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -218,18 +225,34 @@ def _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, span, *, r
     return _QueryRows(r, is_q, is_prior, head, cols, qs, row_limit)
 
 
-def _gather(k_rows_ref, v_rows_ref, row, pos, cols):
-    """One step's K and V tiles ([block_n, D]; zero where nothing is attended)."""
+def _gather(rows_ref, row, pos, cols):
+    """One step's K or V tile ([block_n, D]; zero where nothing is attended)."""
     tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (pos.shape[0], cols.shape[1]))
-    k = plgpu.load(k_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
-    v = plgpu.load(v_rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
-    return k, v
+    return plgpu.load(rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
 
 
-def _online_softmax(queries: _QueryRows, k, v, pos, acc, m, l, scale):
-    """Fold one step's tiles into the running (acc [block_h, D], max m, sum l), base 2."""
-    # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
-    s = plgpu.dot(queries.qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+@dataclasses.dataclass(frozen=True)
+class _GivenLogits:
+    """The layer's own logits (`topk.LogitRows`, one row per query head), read at the step's
+    positions instead of recomputing q.k from K."""
+    relative_ref: Any       # [B, HQ, T] float16 / float32: logits minus their block's max
+    block_max_ref: Any      # [B, HQ, ceil(T / block_n)] float32
+    block_n: int
+
+    def load(self, b, queries: _QueryRows, pos):
+        """[block_h, block_n] logits in base 2 (0 where nothing is attended)."""
+        ok = queries.is_q[:, None] & (pos >= 0)[None, :]
+        col = jnp.maximum(pos, 0)[None, :]
+        head = queries.head[:, None]
+        rel = plgpu.load(self.relative_ref.at[b, head, col], mask=ok, other=0)
+        peak = plgpu.load(self.block_max_ref.at[b, head, lax.div(col, self.block_n)], mask=ok,
+                          other=0)
+        return (rel.astype(jnp.float32) + peak) * common.LOG2E
+
+
+def _online_softmax(queries: _QueryRows, s, v, pos, acc, m, l):
+    """Fold one step's base-2 logits s [block_h, block_n] and V tile into the running
+    (acc [block_h, D], max m, sum l)."""
     keep = (pos >= 0)[None, :]
     if queries.row_limit is not None:
         keep = keep & (pos[None, :] < queries.row_limit[:, None])
@@ -243,24 +266,31 @@ def _online_softmax(queries: _QueryRows, k, v, pos, acc, m, l, scale):
     return acc, m_new, l
 
 
-def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref, *, scale,
-                   lookahead):
+def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
+                   given: _GivenLogits | None, *, scale, lookahead):
     """Online softmax over the split's steps -> (acc, m, l). The lookups run `lookahead` steps
-    ahead of the K/V gathers (see the module docstring): step i issues its K/V loads first,
-    then the page lookup of step i+1 and, with lookahead 2, the index lookup of step i+2,
-    none waiting for another."""
+    ahead of the K/V gathers (see the module docstring): step i issues its K (or given
+    logits) and V loads first, then the page lookup of step i+1 and, with lookahead 2, the
+    index lookup of step i+2, none waiting for another."""
     def step(i, carry):
         acc, m, l, *ahead = carry
         if lookahead == 0:
             row, pos = stream.coords(i, stream.entries(i))
         else:
             row, pos = ahead[:2]
-        k, v = _gather(k_rows_ref, v_rows_ref, row, pos, queries.cols)
+        if given is None:
+            k = _gather(k_rows_ref, row, pos, queries.cols)
+        else:
+            s = given.load(stream.b, queries, pos)
+        v = _gather(v_rows_ref, row, pos, queries.cols)
         if lookahead == 1:
             ahead = list(stream.coords(i + 1, stream.entries(i + 1)))
         elif lookahead == 2:
             ahead = [*stream.coords(i + 1, ahead[2]), stream.entries(i + 2)]
-        return (*_online_softmax(queries, k, v, pos, acc, m, l, scale), *ahead)
+        if given is None:
+            # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
+            s = plgpu.dot(queries.qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
+        return (*_online_softmax(queries, s, v, pos, acc, m, l), *ahead)
 
     block_h, head_dim = queries.qs.shape
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
@@ -309,6 +339,7 @@ def _sparse_decode_kernel(
     has_dense: bool,
     has_prior: bool,
     has_prior_bound: bool,
+    logits_block_n: int | None,
     unit: int,
     kv_heads: int,
     page_size: int,
@@ -325,6 +356,9 @@ def _sparse_decode_kernel(
     dense_ref = refs.pop(0) if has_dense else None  # [HK] bool
     prior_query_ref = refs.pop(0) if has_prior else None  # [B, HQ, D]
     prior_length_ref = refs.pop(0) if has_prior_bound else None  # [B] int32
+    given = None
+    if logits_block_n is not None:  # [B, HQ, T] relative logits, [B, HQ, NB] block maxes
+        given = _GivenLogits(refs.pop(0), refs.pop(0), logits_block_n)
     # [S, B, HQ, D] f32 partials and [S, B, HQ] f32, or with one split (S = 1) the final
     # out in q's dtype and lse; then the same for the prior.
     out_ref, lse_ref = refs[:2]
@@ -340,7 +374,7 @@ def _sparse_decode_kernel(
     queries = _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, stream.span,
                             rows=1 if mode == "q" else num_heads // kv_heads, block_h=block_h,
                             has_prior=has_prior, has_prior_bound=has_prior_bound)
-    acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref,
+    acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref, given,
                                scale=sm_scale * common.LOG2E,  # online softmax in base 2
                                lookahead=lookahead)
     _write(queries, acc, m, l, b, split, out_ref, lse_ref, prior_out_ref, prior_lse_ref,
@@ -370,19 +404,22 @@ def default_splits(row_groups: int, sparse_tokens: int) -> int:
 
 
 def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tokens: int = 0,
-                   *, splits: int | None = None, block_n: int | None = None) -> dict:
+                   *, splits: int | None = None, block_n: int | None = None,
+                   given_logits: bool = False) -> dict:
     """Static knobs from the shapes (`splits`/`block_n` override the rule, for sweeps).
 
     row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
     longest sparse stream; dense_tokens: max_pages * P with dense heads, else 0.
-    block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256). split_tokens: the sparse
+    block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256); twice that with given logits,
+      whose 2-byte gathers keep too few bytes in flight at 64 (H100, B=64, Kascade at 10%:
+      32k 0.218 ms against 0.254, 128k 0.917 against 0.963). split_tokens: the sparse
     stream in `default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
     dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
     M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
     case of benchmarks/bench_sparse_attention.py), 4 with dense heads or D = 256.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     """
-    block_n = block_n or (64 if head_dim <= 128 else 32)
+    block_n = block_n or (64 if head_dim <= 128 else 32) * (2 if given_logits else 1)
     splits = default_splits(row_groups, sparse_tokens) if splits is None else splits
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
@@ -393,11 +430,12 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
 
 @functools.partial(
     jax.jit,
-    static_argnames=("mode", "unit", "sm_scale", "block_n", "split_tokens", "num_warps",
-                     "num_stages", "lookahead", "interpret"))
+    static_argnames=("mode", "unit", "sm_scale", "logits_block_n", "block_n", "split_tokens",
+                     "num_warps", "num_stages", "lookahead", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
-                          dense_heads, prior_query, prior_length, *, mode, unit, sm_scale,
-                          block_n, split_tokens, num_warps, num_stages, lookahead, interpret):
+                          dense_heads, prior_query, prior_length, logits_relative,
+                          logits_block_max, *, mode, unit, sm_scale, logits_block_n, block_n,
+                          split_tokens, num_warps, num_stages, lookahead, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, kv_heads, page_size = k_pages.shape[:3]
     max_pages, max_entries = page_table.shape[1], indices.shape[2]
@@ -414,7 +452,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
     v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
 
-    optional = [x for x in (head_map, dense_heads, prior_query, prior_length) if x is not None]
+    optional = [x for x in (head_map, dense_heads, prior_query, prior_length, logits_relative,
+                            logits_block_max) if x is not None]
     out_dtype = q.dtype if direct else jnp.float32
     out_shape = [jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)]
@@ -424,7 +463,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     kernel = functools.partial(
         _sparse_decode_kernel, mode=mode, has_head_map=head_map is not None,
         has_dense=dense_heads is not None, has_prior=has_prior,
-        has_prior_bound=prior_length is not None, unit=unit, kv_heads=kv_heads,
+        has_prior_bound=prior_length is not None, logits_block_n=logits_block_n, unit=unit,
+        kv_heads=kv_heads,
         page_size=page_size, sm_scale=sm_scale, block_h=block_h, block_n=block_n,
         split_tokens=split_tokens, lookahead=lookahead)
     partials = common.pallas_call(
@@ -433,7 +473,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
         out_shape=out_shape,
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"sparse_decode_{mode}_unit{unit}_{'direct' if direct else 'split'}",
+        name=f"sparse_decode_{mode}_unit{unit}_{'direct' if direct else 'split'}"
+             f"{'' if logits_block_n is None else '_given_logits'}",
     )(page_table, lengths, indices, count, q, k_rows, v_rows, *optional)
 
     def combine(out, lse):
@@ -452,7 +493,7 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit, head_map,
-                  dense_heads, prior_query, prior_length) -> str:
+                  dense_heads, prior_query, prior_length, logits=None) -> str:
     """Validates shapes and dtypes; returns the selection mode: 'kv', 'shared' or 'q'."""
     def expect(ok, name, value, expected):
         if not ok:
@@ -501,7 +542,29 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit
         expect(prior_query is not None, "prior_length", "given", "None without prior_query")
         expect(prior_length.shape == (batch,) and prior_length.dtype == jnp.int32,
                "prior_length", (prior_length.shape, prior_length.dtype), f"[{batch}] int32")
+    if logits is not None:
+        _check_logits(logits, batch, num_heads, page_table.shape[1] * page_size, prior_query,
+                      dense_heads, expect)
     return mode
+
+
+def _check_logits(logits, batch, num_heads, span, prior_query, dense_heads, expect):
+    expect(isinstance(logits, LogitRows), "logits", type(logits).__name__,
+           "a topk.LogitRows or None")
+    expect(prior_query is None, "prior_query", "given",
+           "None with logits (the prior's queries have no logits)")
+    expect(dense_heads is None, "dense_heads", "given",
+           "None with logits (the scores pass's logits serve selected positions)")
+    rel, peak = logits.relative, logits.block_max
+    expect(rel.ndim == 4 and rel.shape[0] == batch and rel.shape[1] * rel.shape[2] == num_heads
+           and rel.shape[3] == span and rel.dtype in (jnp.float16, jnp.float32),
+           "logits.relative", (rel.shape, rel.dtype),
+           f"[{batch}, groups, G, {span}] float16/float32 with groups * G = q_heads "
+           f"{num_heads}: one row per query head over the page table's positions")
+    blocks = common.cdiv(span, logits.block_n)
+    expect(peak.shape == (*rel.shape[:3], blocks) and peak.dtype == jnp.float32,
+           "logits.block_max", (peak.shape, peak.dtype),
+           f"{(*rel.shape[:3], blocks)} float32 (block_n={logits.block_n})")
 
 
 def _check_tuning(block_n, split_tokens, num_warps, num_stages, lookahead) -> None:
@@ -519,9 +582,9 @@ def _check_tuning(block_n, split_tokens, num_warps, num_stages, lookahead) -> No
 
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
                             head_map=None, dense_heads=None, prior_query=None,
-                            prior_length=None, sm_scale=None, backend="auto", interpret=None,
-                            block_n=None, split_tokens=None, num_warps=None, num_stages=None,
-                            lookahead=None) -> SparseAttention:
+                            prior_length=None, logits=None, sm_scale=None, backend="auto",
+                            interpret=None, block_n=None, split_tokens=None, num_warps=None,
+                            num_stages=None, lookahead=None) -> SparseAttention:
     """Decode attention of each query head over its selected positions of a paged cache.
 
     q            [B, HQ, D]                  bf16 / f16 / f32; HQ = HK * group (group 1..16)
@@ -537,6 +600,14 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     prior_query  [B, HQ, D] | None           RESA mu_Q, used at q's dtype
     prior_length [B] int32 | None            prior positions j < prior_length (default lengths;
                                              None or the lengths array itself: no prior mask)
+    logits       topk.LogitRows | None       the layer's own scaled logits q.k * sm_scale,
+                                             one row per query head ([B, groups, G,
+                                             max_pages * P] with groups * G = HQ, as
+                                             `paged_decode_attention(pool_scores=False)`
+                                             returns for group_sum and head_probs): read at
+                                             the selected positions instead of K (the kernel
+                                             then reads no K and sm_scale is unused); not
+                                             with prior_query or dense_heads
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
@@ -548,7 +619,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     `default_tuning`.
     """
     mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
-                         head_map, dense_heads, prior_query, prior_length)
+                         head_map, dense_heads, prior_query, prior_length, logits)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     if prior_length is lengths:
         # The default bound: every attended position is already < length, so the kernel
@@ -561,30 +632,36 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
         return sparse_decode_attention_reference(
             q, k_pages, v_pages, page_table, lengths, indices, count, unit=unit,
             head_map=head_map, dense_heads=dense_heads, prior_query=prior_query,
-            prior_length=prior_length, sm_scale=sm_scale)
+            prior_length=prior_length, logits=logits, sm_scale=sm_scale)
 
     row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
     tuning = default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
-                            block_n=block_n)
+                            block_n=block_n, given_logits=logits is not None)
     given = dict(block_n=block_n, split_tokens=split_tokens, num_warps=num_warps,
                  num_stages=num_stages, lookahead=lookahead)
     tuning.update({k: v for k, v in given.items() if v is not None})
     _check_tuning(**tuning)
     if head_map is not None:
         head_map = head_map.astype(jnp.int32)
+    given = (None, None, None)
+    if logits is not None:  # one row per query head: [B, HQ, T], [B, HQ, blocks]
+        def per_head(x):
+            return x.reshape(x.shape[0], -1, x.shape[-1])
+        given = (per_head(logits.relative), per_head(logits.block_max), logits.block_n)
     return _sparse_decode_pallas(
         q, k_pages, v_pages, page_table, lengths, indices, count, head_map, dense_heads,
-        prior_query, prior_length, mode=mode, unit=unit, sm_scale=sm_scale,
-        interpret=common.resolve_interpret(interpret), **tuning)
+        prior_query, prior_length, *given[:2], mode=mode, unit=unit, sm_scale=sm_scale,
+        logits_block_n=given[2], interpret=common.resolve_interpret(interpret), **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("unit", "sm_scale"))
 def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, indices, count,
                                       *, unit, head_map=None, dense_heads=None,
-                                      prior_query=None, prior_length=None,
+                                      prior_query=None, prior_length=None, logits=None,
                                       sm_scale=None) -> SparseAttention:
     """Plain-jnp twin of `sparse_decode_attention` (fp32): attended-position mask, masked softmax.
+    Given `logits` replace q.k * sm_scale.
 
     Pages are visited in chunks sized so that no intermediate exceeds [B, HQ, max_pages*P]
     floats (per stacked query set: q, and mu_Q when prior_query is given).
@@ -621,8 +698,12 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
         k = k_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
         return jnp.einsum("bshgd,bchpd->bshgcp", qs, k, precision=hi)
 
-    logits = lax.map(chunk_logits, table)  # [chunks, B, S, HK, group, c, P]
-    logits = logits.transpose(1, 2, 3, 4, 0, 5, 6).reshape(mask.shape) * sm_scale
+    if logits is None:
+        logits = lax.map(chunk_logits, table)  # [chunks, B, S, HK, group, c, P]
+        logits = logits.transpose(1, 2, 3, 4, 0, 5, 6).reshape(mask.shape) * sm_scale
+    else:  # [B, groups, G, T] -> [B, 1, HQ, span]
+        logits = logits.logits().reshape(batch, 1, num_heads, -1)
+        logits = jnp.pad(logits, ((0, 0), (0, 0), (0, 0), (0, span - logits.shape[-1])))
     logits = jnp.where(mask, logits, -jnp.inf)
     peak = jnp.max(logits, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)

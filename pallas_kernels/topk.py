@@ -148,6 +148,12 @@ class LogitRows:
         return LogitRows(flat(self.relative, 2), flat(self.block_max, 2), flat(self.lse, 1),
                          self.block_n)
 
+    def logits(self) -> jax.Array:
+        """Each head's logits [..., G, N] float32: relative plus its key block's max."""
+        n = self.relative.shape[-1]
+        per_column = jnp.repeat(self.block_max, self.block_n, axis=-1)[..., :n]
+        return self.relative.astype(jnp.float32) + per_column
+
     def scores(self) -> jax.Array:
         """The materialised scores [..., N] float32."""
         n = self.relative.shape[-1]

@@ -15,8 +15,8 @@ from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
 from sparsejax.pallas_kernels import (LogitRows, fixed_budget, paged_decode_attention,
-                                      ratio_budget, threshold_budget, top_p_budget,
-                                      topk_select)
+                                      pool_logit_rows, ratio_budget, threshold_budget,
+                                      top_p_budget, topk_select)
 from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 
@@ -199,18 +199,35 @@ def covered_positions(sel: Selection, unit: int, limit: jax.Array, num_heads: in
 
 # ---- scores computed before attention (SELF layers) -----------------------------------------
 def pre_attention_scores(plan: SparsePlan, at):
-    """Scores a SELF layer selects from; `at` is the layer's `stack.LayerContext`. The
-    attention-based scores (oracle top-k, Kascade's sparse anchors) come from the dense
-    kernel's scores pass alone: K is read, V is not."""
+    """(scores, logits): what a SELF layer selects from and, where its sparse attention can
+    read them instead of K, the logits behind them; `at` is the layer's
+    `stack.LayerContext`. The attention-based scores (oracle top-k, Kascade's sparse
+    anchors) come from the dense kernel's scores pass alone: K is read, V is not."""
     s = plan.selector
     if s.score == Score.QUEST_BOUND:
         # the per-layer bounds index physical pages without the layer offset: layer 0's table
         return quest_bound(at.q, at.state.kmin[at.layer], at.state.kmax[at.layer],
-                           at.step.page_table, at.step.lengths, plan.page_size)
+                           at.step.page_table, at.step.lengths, plan.page_size), None
     if s.score == Score.NONE:
-        return None
-    return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                                  values=False, **kernel_scores(s)).scores
+        return None, None
+    return scores_pass(plan, at.q, at.k_pages, at.v_pages, at.table, at.step.lengths)
+
+
+def scores_pass(plan: SparsePlan, q, k_pages, v_pages, page_table, lengths):
+    """A SELF layer's scores pass (no V) -> (scores for `select`, logits or None). Scores
+    made of every query head's logits (group sums, head probabilities) come back with those
+    logits (`LogitRows`, one row per query head), which the layer's sparse attention reads
+    in place of K, unless RESA's prior, whose queries have no logits, needs K anyway."""
+    s = plan.selector
+    score = kernel_score(s)
+    own_logits = plan.residual is None and score in (Score.GROUP_SUM, Score.HEAD_PROBS)
+    r = paged_decode_attention(q, k_pages, v_pages, page_table, lengths, values=False,
+                               score=score, pool_scores=not (own_logits or pools_in_topk(s)))
+    if not own_logits:
+        return r.scores, None
+    scores = r.scores if pools_in_topk(s) else pool_logit_rows(
+        score, r.scores, lengths, page_size=k_pages.shape[2])
+    return scores, r.scores
 
 
 def quest_bound(q, kmin, kmax, page_table, lengths, page_size):

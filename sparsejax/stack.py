@@ -149,8 +149,9 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     head_map = attended_head_map(role, s, at.step.head_map[at.layer])
     dense_heads = None
     dense_out = None
+    logits = None
     if role == Role.SELF:
-        scores = selection.pre_attention_scores(plan, at)
+        scores, logits = selection.pre_attention_scores(plan, at)
         sel = selection.select(plan, config, scores, lengths, capacity)
     elif role == Role.HYBRID:
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
@@ -171,20 +172,21 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
                 indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
                 count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
         dense_out = r.out
-    out = _sparse(plan, at, sel, head_map)
+    out = _sparse(plan, at, sel, head_map, logits)
     if dense_out is not None:
         group = at.q.shape[1] // at.k_pages.shape[1]
         out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
     return out, sel, Attended(sel, head_map, dense_heads)
 
 
-def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map):
-    """Sparse attention over `sel` (+ RESA's residual when the plan has one)."""
+def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits=None):
+    """Sparse attention over `sel` (+ RESA's residual when the plan has one), reading the
+    layer's own `logits` instead of K when given."""
     q, lengths = at.q, at.step.lengths
     prior = resa.layer_prior(at.state, at.layer) if plan.residual is not None else None
     r = sparse_decode_attention(
         q, at.k_pages, at.v_pages, at.table, lengths, sel.indices, sel.count,
-        unit=plan.selector.unit, head_map=head_map,
+        unit=plan.selector.unit, head_map=head_map, logits=logits,
         prior_query=None if prior is None else prior.mu_q.astype(q.dtype),
         prior_length=None if prior is None else resa.prior_length(plan, prior, lengths))
     if prior is None:

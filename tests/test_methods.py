@@ -11,8 +11,11 @@ import sparsejax
 from sparsejax import cache as kv
 from sparsejax import methods as M
 from sparsejax.models import ModelConfig
+from sparsejax.pallas_kernels import LogitRows, paged_decode_attention, sparse_decode_attention
 from sparsejax.plan import Role
+from sparsejax.selection import kernel_scores, scores_pass, select
 from small_model import CFG, LENGTHS, RETRIEVAL
+from test_sparse_attention import make_case
 
 HEAD_MAP = np.array([[0, 1], [1, 0], [0, 1], [1, 1], [0, 0], [1, 0]])
 
@@ -263,6 +266,36 @@ def test_small_budgets_finite_and_bounded_by_the_oracle(model, prompts, name):
     assert (recall[sparse_layers] < 1 - 1e-6).any()
     if name == "oracle":
         np.testing.assert_allclose(recall, oracle, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,own_logits", [
+    (M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=20, sparse_anchors=True), True),
+    (M.OracleTopK(ratio=0.1), True),
+    (M.RESA(M.OracleTopK(ratio=0.1)), False),
+])
+def test_self_layer_reads_its_own_logits(method, own_logits):
+    """A SELF layer's scores pass (`selection.scores_pass`) hands its sparse attention the
+    logits behind its scores (Kascade's sparse anchors, oracle top-k), unless RESA's prior
+    queries need K: the same selection as from the pooled scores, and attention over it equal
+    to the attention that recomputes q.k from K."""
+    plan = method.to_plan(CFG, None)
+    case, _ = make_case(5, batch=3, q_heads=CFG.num_heads, kv_heads=CFG.num_kv_heads,
+                        head_dim=CFG.head_dim, page_size=16, max_pages=8, lengths=[16, 77, 128])
+    args = [case[k] for k in ("q", "k_pages", "v_pages", "page_table", "lengths")]
+    capacity = 8 * 16
+    scores, logits = scores_pass(plan, *args)
+    assert isinstance(logits, LogitRows) == own_logits and (own_logits or logits is None)
+    pooled = paged_decode_attention(*args, values=False,
+                                    **dict(kernel_scores(plan.selector), pool_scores=True))
+    sel = select(plan, CFG, scores, case["lengths"], capacity)
+    want_sel = select(plan, CFG, pooled.scores, case["lengths"], capacity)
+    np.testing.assert_array_equal(np.asarray(sel.indices), np.asarray(want_sel.indices))
+    if own_logits:
+        def attend(given):
+            return sparse_decode_attention(*args, sel.indices, sel.count,
+                                           unit=plan.selector.unit, logits=given).out
+        np.testing.assert_allclose(np.asarray(attend(logits)), np.asarray(attend(None)),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # ---- plans, compiles and errors ---------------------------------------------------------------

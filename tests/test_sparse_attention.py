@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from jax.extend.core import jaxprs_in_params
 
 from kernel_checks import lower_for_cuda, max_row_rel_error
+from sparsejax.pallas_kernels import LogitRows, paged_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import (
     SparseAttention,
     default_tuning,
@@ -478,6 +479,98 @@ def _lower_and_check_grid(case, opts, tuning, path):
     return text
 
 
+# ---- given logits: a layer attending to the top-k of its own scores pass ------------------
+def own_logits(case, score, backend, interpret=None, **tuning):
+    """The scores pass's unpooled logits for the case (`LogitRows`, a row per query head)."""
+    return paged_decode_attention(case["q"], case["k_pages"], case["v_pages"],
+                                  case["page_table"], case["lengths"], score=score, values=False,
+                                  pool_scores=False, backend=backend, interpret=interpret,
+                                  **tuning).scores
+
+
+@pytest.mark.parametrize("groups,unit,score,dtype,path", [
+    ("kv", "token", "group_sum", jnp.float32, "direct"),
+    ("kv", "token", "group_sum", jnp.bfloat16, "split"),
+    ("q", "token", "head_probs", jnp.float32, "split"),
+    ("shared", "page", "head_probs", jnp.bfloat16, "direct"),
+    ("kv", "block", "group_sum", jnp.float32, "split"),
+])
+def test_given_logits(interpret, groups, unit, score, dtype, path):
+    """Attention over the selection reading the scores pass's logits instead of K equals the
+    attention that recomputes them: the kernel's float16 logits over several key blocks
+    (16-bit q) or float32 ones, and the reference's exact logits; kernel and reference agree
+    on the same given logits. Lengths at page boundaries (P = 8)."""
+    case, opts = make_case(31, groups=groups, unit=unit, head_map="none", dtype=dtype,
+                           lengths=[8, 41], k_max=40 if unit == "token" else 6)
+    want = sparse_decode_attention_reference(**case, **opts)
+    kernel_rows = own_logits(case, score, "pallas", interpret, block_n=16)
+    assert kernel_rows.relative.dtype == (jnp.float32 if dtype == jnp.float32 else jnp.float16)
+    assert kernel_rows.block_max.shape[-1] == 3  # several key blocks of 16
+    exact_rows = own_logits(case, score, "reference")
+    for rows in (kernel_rows, exact_rows):
+        given = dict(opts, logits=rows)
+        got = run(case, given, "pallas", interpret, **TUNINGS[path])
+        assert kernel_path(case, given, **TUNINGS[path]) == path
+        assert_close_given(got, want, dtype, rows, exact_rows, case["lengths"])
+        assert_close(got, sparse_decode_attention_reference(**case, **given), dtype)
+
+
+def assert_close_given(got, want, dtype, rows, exact_rows, lengths):
+    """assert_close, with the LSE allowed what float16 logits move it by: a logit s by at
+    most 2^-11 |s - m| (m its block's running max, between s and the row max), so an LSE by
+    at most 2^-11 of its row's largest distance below the row max over the valid positions
+    (the exact rows are relative to the row max)."""
+    assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+    slack = 0.0
+    if rows.relative.dtype == jnp.float16:
+        batch, span = exact_rows.relative.shape[0], exact_rows.relative.shape[-1]
+        below = -exact_rows.relative.reshape(batch, -1, span)
+        valid = jnp.arange(span)[None, None, :] < lengths[:, None, None]
+        slack = 2.0**-11 * np.asarray(jnp.max(jnp.where(valid, below, 0.0), axis=-1))
+    got_lse, want_lse = np.asarray(got.lse), np.asarray(want.lse)
+    finite = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(got_lse), finite)
+    err = np.abs(np.where(finite, got_lse, 0) - np.where(finite, want_lse, 0))
+    assert np.all(err <= LSE_TOL + slack)
+
+
+@pytest.mark.parametrize("corrupt", ["block_max", "heads"])
+def test_given_logits_negative_control(interpret, corrupt):
+    """Logits that are not the selection's own (another key block's max, another head's row)
+    fail the comparison the test above passes."""
+    case, opts = make_case(32, groups="kv", head_map="none", lengths=[40, 47], k_max=24)
+    rows = own_logits(case, "group_sum", "pallas", interpret, block_n=16)
+    if corrupt == "block_max":
+        rows = LogitRows(rows.relative, jnp.roll(rows.block_max, 1, axis=-1), rows.lse,
+                         rows.block_n)
+    else:
+        rows = LogitRows(jnp.roll(rows.relative, 1, axis=2), rows.block_max, rows.lse,
+                         rows.block_n)
+    got = run(case, dict(opts, logits=rows), "pallas", interpret, **SMALL_TUNING)
+    assert max_row_rel_error(got.out, sparse_decode_attention_reference(**case, **opts).out) > 0.1
+
+
+@pytest.mark.parametrize("groups,path", [("kv", "direct"), ("q", "split"), ("shared", "direct")])
+def test_lowers_for_cuda_given_logits(groups, path):
+    """The given-logits step (float16 rows, float32 block maxes, no K) through the Triton
+    lowering, with the dense kernel's scores blocks of 128 tokens, at the default block_n
+    (direct) and at 64."""
+    case, opts = make_case(7, batch=4, groups=groups, head_map="none", k_max=128,
+                           max_pages=32, **BF16_32x8)
+    b, span = 4, 32 * 16
+    opts["logits"] = LogitRows(jnp.zeros((b, 8, 4, span), jnp.float16),
+                               jnp.zeros((b, 8, 4, span // 128), jnp.float32), None, 128)
+    tuning = dict(block_n=64, split_tokens=64) if path == "split" else dict(split_tokens=2**16)
+    text = _lower_and_check_grid(case, opts, tuning, path)
+    assert "_given_logits" in text
+
+
+def _rows(span=48, block_n=16):
+    """LogitRows of the make_case(8) shapes (B=2, 2 KV heads of 4 query heads, 48 positions),
+    block maxes sized for blocks of 16."""
+    return LogitRows(jnp.zeros((2, 2, 4, span)), jnp.zeros((2, 2, 4, 3)), None, block_n)
+
+
 def _bad(name, fn):
     """The error must start with the argument's name: `name=value: expected ...`."""
     return pytest.param(fn, "^" + name.replace(".", "\\.").replace("[", "\\[") + "=", id=name)
@@ -508,6 +601,12 @@ def _bad(name, fn):
     _bad("lookahead", lambda c, o: o.update(lookahead=3)),
     _bad("lookahead", lambda c, o: o.update(lookahead=True)),
     _bad("backend", lambda c, o: o.update(backend="cuda")),
+    _bad("logits", lambda c, o: o.update(logits=jnp.zeros((2, 8, 48)))),
+    _bad("logits.relative", lambda c, o: o.update(logits=_rows(span=40))),
+    _bad("logits.block_max", lambda c, o: o.update(logits=_rows(block_n=8))),
+    _bad("prior_query", lambda c, o: o.update(logits=_rows(), prior_query=c["q"])),
+    _bad("dense_heads", lambda c, o: o.update(logits=_rows(),
+                                              dense_heads=jnp.zeros((2,), bool))),
 ])
 def test_bad_inputs(mutate, match):
     case, opts = make_case(8)
@@ -546,6 +645,23 @@ def test_native_gpu(groups, unit, dense, prior, dtype):
     assert_close(run(case, opts, "pallas", interpret=False), want, dtype, prior)
     assert_close(run(case, opts, "pallas", interpret=False, block_n=32, split_tokens=128,
                      num_warps=8, num_stages=3), want, dtype, prior)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,score", [("kv", "group_sum"), ("q", "head_probs")])
+def test_native_given_logits(groups, score):
+    """The native kernel over the native scores pass's float16 logits (blocks of 128) equals
+    attention that recomputes them, at Llama-3.1-8B's layer shape."""
+    span = 256 * 16
+    case, opts = make_case(13, batch=8, q_heads=32, kv_heads=8, head_dim=128, page_size=16,
+                           max_pages=256, groups=groups, head_map="none", dtype=jnp.bfloat16,
+                           k_max=512, lengths=[1, 15, 16, 17, span - 1, span, 1000, 3000])
+    rows = own_logits(case, score, "pallas", interpret=False)
+    exact_rows = own_logits(case, score, "reference")
+    want = sparse_decode_attention_reference(**case, **opts)
+    for tuning in ({}, dict(block_n=32, split_tokens=128)):
+        got = run(case, dict(opts, logits=rows), "pallas", interpret=False, **tuning)
+        assert_close_given(got, want, jnp.bfloat16, rows, exact_rows, case["lengths"])
 
 
 def test_reference_takes_any_head_dim_and_page_size():
