@@ -410,20 +410,22 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
 
     row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
     longest sparse stream; dense_tokens: max_pages * P with dense heads, else 0.
-    block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256); twice that with given logits,
-      whose 2-byte gathers keep too few bytes in flight at 64 (H100, B=64, Kascade at 10%:
-      32k 0.218 ms against 0.254, 128k 0.917 against 0.963). split_tokens: the sparse
+    block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256); four times that with given
+      logits, whose 2-byte gathers keep too few bytes in flight at 64 (H200, B=64, Kascade
+      at 10%, 4 warps: 32k 0.170 ms against 0.190 at block_n 128 and 2 warps and 0.204
+      recomputing q.k; 128k 0.609 against 0.763 and 0.803). split_tokens: the sparse
     stream in `default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
     dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
     M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
-    case of benchmarks/bench_sparse_attention.py), 4 with dense heads or D = 256.
+    case of benchmarks/bench_sparse_attention.py), 4 with dense heads, given logits or
+    D = 256.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     """
-    block_n = block_n or (64 if head_dim <= 128 else 32) * (2 if given_logits else 1)
+    block_n = block_n or (64 if head_dim <= 128 else 32) * (4 if given_logits else 1)
     splits = default_splits(row_groups, sparse_tokens) if splits is None else splits
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
-    num_warps = 2 if dense_tokens == 0 and head_dim <= 128 else 4
+    num_warps = 2 if dense_tokens == 0 and head_dim <= 128 and not given_logits else 4
     return {"block_n": block_n, "split_tokens": split, "num_warps": num_warps,
             "num_stages": 2, "lookahead": 2}
 
