@@ -646,15 +646,16 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     _check_tuning(**tuning)
     if head_map is not None:
         head_map = head_map.astype(jnp.int32)
-    given = (None, None, None)
+    relative = block_max = logits_block_n = None
     if logits is not None:  # one row per query head: [B, HQ, T], [B, HQ, blocks]
-        def per_head(x):
-            return x.reshape(x.shape[0], -1, x.shape[-1])
-        given = (per_head(logits.relative), per_head(logits.block_max), logits.block_n)
+        relative, block_max = (x.reshape(x.shape[0], -1, x.shape[-1])
+                               for x in (logits.relative, logits.block_max))
+        logits_block_n = logits.block_n
     return _sparse_decode_pallas(
         q, k_pages, v_pages, page_table, lengths, indices, count, head_map, dense_heads,
-        prior_query, prior_length, *given[:2], mode=mode, unit=unit, sm_scale=sm_scale,
-        logits_block_n=given[2], interpret=common.resolve_interpret(interpret), **tuning)
+        prior_query, prior_length, relative, block_max, mode=mode, unit=unit,
+        sm_scale=sm_scale, logits_block_n=logits_block_n,
+        interpret=common.resolve_interpret(interpret), **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("unit", "sm_scale"))
