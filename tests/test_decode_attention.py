@@ -375,15 +375,21 @@ def test_lowers_for_cuda(head_dim, page_size, dtype, group, score, masked):
 
 def assert_scores_pass_matches(args, *, score, interpret, kv_heads=None, **tuning):
     """The scores pass alone (values=False): out None, lse and scores those of the full pass
-    (the same kernel arithmetic; XLA fuses the pooling epilogue differently without the
-    output: up to 2e-6 relative on an H100, 10x under the kernel-vs-reference tolerance),
-    for the kernel and the reference alike."""
+    at the same knobs (the same kernel arithmetic; XLA fuses the pooling epilogue differently
+    without the output: up to 2e-6 relative on an H100, 10x under the kernel-vs-reference
+    tolerance), for the kernel and the reference alike; at its own default knobs (twice the
+    splits: other running maxes, so other float16 roundings) within the reference's bound."""
     if kv_heads is not None:
         kv_heads = jnp.asarray(kv_heads)
     run = lambda **kw: paged_decode_attention(*args, score=score, kv_heads=kv_heads,  # noqa: E731
                                               **kw)
-    full = run(backend="pallas", interpret=interpret, **tuning)
-    alone = run(backend="pallas", interpret=interpret, values=False, **tuning)
+    q, k_pages, _, page_table, _ = args
+    same = dict(tuning)
+    same.setdefault("num_splits", default_tuning(
+        q.shape[0], k_pages.shape[1], q.shape[2], k_pages.shape[2], page_table.shape[1],
+        q.dtype, scores=True)["num_splits"])
+    full = run(backend="pallas", interpret=interpret, **same)
+    alone = run(backend="pallas", interpret=interpret, values=False, **same)
     want = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads)
     want_alone = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads,
                                                   values=False)
@@ -391,6 +397,11 @@ def assert_scores_pass_matches(args, *, score, interpret, kv_heads=None, **tunin
         assert got.out is None
         np.testing.assert_allclose(got.lse, ref.lse, rtol=1e-5, atol=0)
         np.testing.assert_allclose(got.scores, ref.scores, rtol=1e-5, atol=1e-12)
+    alone = run(backend="pallas", interpret=interpret, values=False, **tuning)
+    assert alone.out is None
+    np.testing.assert_allclose(alone.lse, want.lse, rtol=0, atol=LSE_ATOL)
+    assert_scores_match(alone.scores, want.scores,
+                        logits_bound(args, score, kv_heads, tuning.get("logits_dtype")))
 
 
 @pytest.mark.parametrize("cfg,score,dtype,opts", [c for c in CORNERS if c[1] is not None])
@@ -478,6 +489,9 @@ def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
     assert (plain["block_n"], plain["num_stages"]) == (64, 2)
     assert (scored["block_n"], scored["num_stages"]) == (128, 3)
     assert default_tuning(4, *shape, scores=True) == default_tuning(4, *shape)  # 32 programs
+    # the scores pass alone streams half the bytes per block: twice the splits
+    assert (scored["num_splits"], default_tuning(64, *shape, scores=True, values=False)[
+        "num_splits"]) == (2, 4)
 
 
 def test_lowers_for_cuda_with_a_cache_over_4gib():
