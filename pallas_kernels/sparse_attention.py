@@ -405,7 +405,7 @@ def default_splits(row_groups: int, sparse_tokens: int) -> int:
 
 def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tokens: int = 0,
                    *, splits: int | None = None, block_n: int | None = None,
-                   given_logits: bool = False) -> dict:
+                   given_logits: bool = False, itemsize: int = 2) -> dict:
     """Static knobs from the shapes (`splits`/`block_n` override the rule, for sweeps).
 
     row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
@@ -413,7 +413,8 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256); four times that with given
       logits, whose 2-byte gathers keep too few bytes in flight at 64 (H200, B=64, Kascade
       at 10%, 4 warps: 32k 0.170 ms against 0.190 at block_n 128 and 2 warps and 0.204
-      recomputing q.k; 128k 0.609 against 0.763 and 0.803). split_tokens: the sparse
+      recomputing q.k; 128k 0.609 against 0.763 and 0.803), up to a 64 KiB V tile (itemsize:
+      bytes per cache element), so that two stages fit in shared memory. split_tokens: the sparse
     stream in `default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
     dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
     M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
@@ -421,7 +422,10 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     D = 256.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     """
-    block_n = block_n or (64 if head_dim <= 128 else 32) * (4 if given_logits else 1)
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+        if given_logits:
+            block_n = min(4 * block_n, 65536 // (head_dim * itemsize))
     splits = default_splits(row_groups, sparse_tokens) if splits is None else splits
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
@@ -639,7 +643,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
     tuning = default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
-                            block_n=block_n, given_logits=logits is not None)
+                            block_n=block_n, given_logits=logits is not None,
+                            itemsize=jnp.dtype(q.dtype).itemsize)
     given = dict(block_n=block_n, split_tokens=split_tokens, num_warps=num_warps,
                  num_stages=num_stages, lookahead=lookahead)
     tuning.update({k: v for k, v in given.items() if v is not None})

@@ -311,6 +311,12 @@ def test_default_split_rule():
     assert default_tuning(128, 512, 819)["num_warps"] == 2
     assert default_tuning(128, 64, 13056, 131072)["num_warps"] == 4
     assert default_tuning(256, 512, 1024)["num_warps"] == 4
+    # given logits: 4x the rows, 4 warps, the V tile at most 64 KiB (two stages fit)
+    given = {(d, size): default_tuning(d, 512, 3277, given_logits=True, itemsize=size)
+             for d in (64, 128, 256) for size in (2, 4)}
+    assert {k: t["block_n"] for k, t in given.items()} == {
+        (64, 2): 256, (64, 4): 256, (128, 2): 256, (128, 4): 128, (256, 2): 128, (256, 4): 64}
+    assert {t["num_warps"] for t in given.values()} == {4}
 
 
 @pytest.mark.parametrize("unit", ["token", "page", "block"])
@@ -648,20 +654,24 @@ def test_native_gpu(groups, unit, dense, prior, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("groups,score", [("kv", "group_sum"), ("q", "head_probs")])
-def test_native_given_logits(groups, score):
-    """The native kernel over the native scores pass's float16 logits (blocks of 128) equals
-    attention that recomputes them, at Llama-3.1-8B's layer shape."""
+@pytest.mark.parametrize("groups,score,dtype,head_dim", [
+    ("kv", "group_sum", jnp.bfloat16, 128), ("q", "head_probs", jnp.bfloat16, 128),
+    ("kv", "group_sum", jnp.float32, 128), ("kv", "group_sum", jnp.float32, 256)])
+def test_native_given_logits(groups, score, dtype, head_dim):
+    """The native kernel over the native scores pass's logits (float16 for bf16, blocks of
+    128) equals attention that recomputes them, at Llama-3.1-8B's layer shape, and at the
+    default knobs of float32 caches (the largest V tiles)."""
     span = 256 * 16
-    case, opts = make_case(13, batch=8, q_heads=32, kv_heads=8, head_dim=128, page_size=16,
-                           max_pages=256, groups=groups, head_map="none", dtype=jnp.bfloat16,
-                           k_max=512, lengths=[1, 15, 16, 17, span - 1, span, 1000, 3000])
+    case, opts = make_case(13, batch=8, q_heads=32, kv_heads=8, head_dim=head_dim,
+                           page_size=16, max_pages=256, groups=groups, head_map="none",
+                           dtype=dtype, k_max=512,
+                           lengths=[1, 15, 16, 17, span - 1, span, 1000, 3000])
     rows = own_logits(case, score, "pallas", interpret=False)
     exact_rows = own_logits(case, score, "reference")
     want = sparse_decode_attention_reference(**case, **opts)
     for tuning in ({}, dict(block_n=32, split_tokens=128)):
         got = run(case, dict(opts, logits=rows), "pallas", interpret=False, **tuning)
-        assert_close_given(got, want, jnp.bfloat16, rows, exact_rows, case["lengths"])
+        assert_close_given(got, want, dtype, rows, exact_rows, case["lengths"])
 
 
 def test_reference_takes_any_head_dim_and_page_size():
