@@ -148,17 +148,18 @@ class LogitRows:
         return LogitRows(flat(self.relative, 2), flat(self.block_max, 2), flat(self.lse, 1),
                          self.block_n)
 
+    def _per_column(self, per_block: jax.Array) -> jax.Array:
+        """[..., G, num_blocks] -> [..., G, N]: each key block's value at its columns."""
+        return jnp.repeat(per_block, self.block_n, axis=-1)[..., :self.relative.shape[-1]]
+
     def logits(self) -> jax.Array:
         """Each head's logits [..., G, N] float32: relative plus its key block's max."""
-        n = self.relative.shape[-1]
-        per_column = jnp.repeat(self.block_max, self.block_n, axis=-1)[..., :n]
-        return self.relative.astype(jnp.float32) + per_column
+        return self.relative.astype(jnp.float32) + self._per_column(self.block_max)
 
     def scores(self) -> jax.Array:
         """The materialised scores [..., N] float32."""
-        n = self.relative.shape[-1]
-        per_block = _block_term(self.block_max, None if self.lse is None else self.lse[..., None])
-        per_column = jnp.repeat(per_block, self.block_n, axis=-1)[..., :n]
+        per_column = self._per_column(
+            _block_term(self.block_max, None if self.lse is None else self.lse[..., None]))
         return _pool_heads(lambda g: self.relative[..., g, :], lambda g: per_column[..., g, :],
                            self.relative.shape[-2], probs=self.lse is not None)
 
