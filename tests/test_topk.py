@@ -167,6 +167,21 @@ def test_cases_discriminate():
     np.testing.assert_array_equal(expected[0], [[1, 4, 5]])
 
 
+@pytest.mark.parametrize("width", [1, 8, 32, 96, 512, 4096])
+def test_grouped_running_sum_is_the_cumsum(width):
+    """The keep's two-level scan gives numpy's cumsum and row totals on packed 16-bit counts;
+    a scan that restarts at each group boundary (the outer scan left out) does not."""
+    rng = np.random.default_rng(width)
+    x = (rng.integers(0, 2, (3, width)) | (rng.integers(0, 2, (3, width)) << 16)).astype(np.int32)
+    for grouped in (True, False):
+        running, total = topk._running_sum(jnp.asarray(x), grouped)
+        np.testing.assert_array_equal(running, np.cumsum(x, axis=1))
+        np.testing.assert_array_equal(total, x.sum(axis=1))
+    if width > topk.SCAN_GROUP:
+        restarted = np.cumsum(x.reshape(3, -1, topk.SCAN_GROUP), axis=2).reshape(3, width)
+        assert not np.array_equal(restarted, np.cumsum(x, axis=1))
+
+
 def test_matches_at_a_larger_row(interpret):
     """A 1024-wide row through the default layout and a streamed one, with sinks and recents."""
     scores = make_scores(7, 2, 1024, "normal")
