@@ -247,9 +247,10 @@ def main(argv=None):
         weights=f"kascade_weighted = {ANCHORS}/{LAYERS} anchor + {LAYERS - ANCHORS}/{LAYERS} "
                 "reuse (Kascade Table 3)", paper=PAPER_SOURCE))
     shapes = [(batch, c) for c in cfg["contexts"]] + ([cfg["long"]] if args.long else [])
-    # a partial rerun (--contexts, --long) keeps the committed rows of the shapes it skips
-    kept = [r for r in harness.committed_rows(name)
-            if (r["batch"], r["context"]) not in shapes]
+    # a partial rerun (--contexts, --ratios, --long) keeps the committed rows it does not redo
+    def redone(r):
+        return (r["batch"], r["context"]) in shapes and r.get("ratio") in (None, *cfg["ratios"])
+    kept = [r for r in harness.committed_rows(name) if not redone(r)]
     for b, context in shapes:
         try:
             context_rows(cfg, rows, b, context, args.smoke)

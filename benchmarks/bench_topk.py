@@ -170,8 +170,8 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
 def matrix_cases():
     """The decode matrix's selections, once per (rows, N, k): rows = batch x groups over
     tokens with k = 10% or 4096 (Kascade, Lychee), and over pages of 16 with k = 64 (DELTA,
-    Quest). Where either path could serve (MIN_SPLIT_WIDTH <= N <= RESIDENT_WIDTH) the other
-    path is timed too, the data for `topk.default_tuning`'s rule."""
+    Quest). Where either path could serve (N <= RESIDENT_WIDTH) the other path is timed too,
+    the data for `topk.default_tuning`'s rule."""
     seen = set()
     for batch in MATRIX_BATCHES:
         for groups in MATRIX_GROUPS:
@@ -183,7 +183,7 @@ def matrix_cases():
                         continue
                     seen.add(shape)
                     other = [dict(split=not topk.default_tuning(*shape)["split"])]
-                    either = topk.MIN_SPLIT_WIDTH <= n <= topk.RESIDENT_WIDTH
+                    either = n <= topk.RESIDENT_WIDTH
                     yield (f"{shape[0]}x{n} k={shape[2]} (B={batch}, G={groups}, {what})",
                            *shape, None, False, other if either else [])
 

@@ -81,12 +81,6 @@ RADIX_BITS = 4                 # key bits per pass of the split path: 8 passes o
 RADIX_BINS = 1 << RADIX_BITS
 # Path and chunk rule (`default_tuning`), for a 132-SM H100/H200:
 RESIDENT_WIDTH = 32768         # widest row the per-row path holds in registers (H200 sweep)
-MIN_SPLIT_WIDTH = 4096         # narrower rows stay per-row: one launch, not nine
-# Keys above which resident rows stay per-row even when few: the split path spends ~3x the
-# arithmetic per key (8 passes of a 16-bin histogram against 32 register-resident counts),
-# which pays only while the per-row path's 32 serial steps leave the GPU idle. An estimate,
-# to be set from `benchmarks/bench_topk.py --matrix`, which times both paths there.
-SPLIT_MAX_KEYS = 1 << 22
 SPLIT_PROGRAMS = 4 * common.NUM_SMS  # programs the split path aims for
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
 # Sampled-threshold path (rows wider than RESIDENT_WIDTH whose candidates fit it):
@@ -869,9 +863,11 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
     them follow.
 
     split: rows wider than RESIDENT_WIDTH (the per-row path would re-read them once per key
-      bit), or rows of at least MIN_SPLIT_WIDTH too few to fill two waves of the SMs and at
-      most SPLIT_MAX_KEYS keys in all; never when block_rows > 1 is asked for. A
-      sample_stride > 0 asks for it.
+      bit); never when block_rows > 1 is asked for. A sample_stride > 0 asks for it. Few
+      resident rows stay per-row too: one launch against nine, even where the rows leave most
+      SMs idle (H100, k = 10%, 8-256 rows of 4096-32768: the per-row path 1.3-5.4x faster,
+      e.g. [8, 4096] 0.009 against 0.036 ms, [64, 32768] 0.033 against 0.114, [256, 16384]
+      0.037 against 0.201).
     sample_stride (split rows only): the sampled-threshold path, with a sample of about
       SAMPLE_WIDTH columns, for at least MIN_SAMPLED_ROWS rows wider than RESIDENT_WIDTH whose
       candidate capacity is at most MAX_CANDIDATES; else 0, the split path alone.
@@ -888,10 +884,7 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       rule for rows of the sample's width and of the capacity.
     """
     if split is None:
-        few_rows = (num_rows < 2 * common.NUM_SMS and n >= MIN_SPLIT_WIDTH
-                    and num_rows * n <= SPLIT_MAX_KEYS)
-        split = bool(sample_stride) or (block_rows in (None, 1)
-                                        and (n > RESIDENT_WIDTH or few_rows))
+        split = bool(sample_stride) or (block_rows in (None, 1) and n > RESIDENT_WIDTH)
     n_pow2 = common.next_power_of_2(n)
     if split and sample_stride is None:
         stride = max(1, n_pow2 // SAMPLE_WIDTH)

@@ -357,19 +357,16 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
 
 
 def test_default_tuning_paths():
-    """The rule: split rows wider than the resident width, or few rows of >= 4096 columns
-    and at most 2**22 keys."""
+    """The rule: split rows wider than the resident width; rows that fit it stay per-row,
+    however few."""
     assert topk.default_tuning(8, 131072, 13107, sample_stride=0) == dict(
         split=True, sample_stride=0, block_rows=1, block_n=2048, block_sel=512, block_k=256,
         num_warps=4, num_stages=1)
     assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
     assert topk.default_tuning(512, 131072, 13107)["split"]
-    assert topk.default_tuning(64, 8192, 64)["split"]
-    assert not topk.default_tuning(512, 32768, 3276)["split"]
-    assert topk.default_tuning(128, 32768, 3276)["split"]
-    assert not topk.default_tuning(256, 32768, 3276)["split"]     # 2**23 keys
-    assert not topk.default_tuning(512, 4096, 409)["split"]       # two waves of rows
-    assert not topk.default_tuning(2, 2048, 64)["split"]
+    assert topk.default_tuning(8, 32769, 3277)["split"]
+    for rows, n in ((1, 32768), (8, 4096), (64, 8192), (128, 32768), (512, 32768), (2, 2048)):
+        assert not topk.default_tuning(rows, n, n // 10)["split"], (rows, n)
     assert not topk.default_tuning(8, 131072, 13107, block_rows=2)["split"]
     assert topk.default_tuning(1, 1 << 23, 4096)["block_n"] == 32768  # at most 256 chunks
     # per-row knobs: the keep from the resident row, except at 16384 columns
@@ -721,7 +718,8 @@ def triton_modules(monkeypatch):
 
 
 @pytest.mark.parametrize("num_rows, n, k, tuning, num_kernels", [
-    (512, 32768, 3276, {}, 1),                               # resident row, 16 warps
+    (512, 32768, 3276, {}, 1),                               # resident row, 32 warps
+    (8, 32768, 3276, {}, 1),                                 # few resident rows: per-row
     (512, 131072, 13107, dict(split=False), 1),              # streamed row
     (64, 8192, 64, dict(block_rows=2), 1),
     (7, 1000, 50, dict(block_n=256, num_warps=4), 1),         # ragged N, streamed
