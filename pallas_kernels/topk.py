@@ -723,9 +723,11 @@ def _per_row_knobs(block_rows: int, block_n: int) -> tuple[int, int]:
     re-reading 4096-key tiles measured 3-13% faster (512 x 32768: 0.155 ms at 32 warps
     resident, 0.174 at 16 warps in tiles). An H200 agrees at 512 x 32768 (Kascade's group
     sums, k = 10%): 0.161 ms resident at 32 warps, 0.173-0.222 in 4096-16384-key tiles at 8-32
-    warps, 0.164-0.189 on the sampled path. Rechecked on an H100 with the grouped scan of the
-    keep: 512 x 32768 0.124 ms (tiles: 0.150-0.188), 2048 x 32768 0.456 (0.555-0.717), 512 x
-    16384 0.064 (the resident keep at 32 warps 0.063), 2048 x 16384 0.229 (0.234-0.323)."""
+    warps, 0.164-0.189 on the sampled path. Rechecked on an H100 with the grouped scan in
+    every keep: 512 x 32768 0.124 ms (tiles: 0.150-0.188), 2048 x 32768 0.456 (0.555-0.717),
+    512 x 16384 0.064 (the resident keep at 32 warps 0.063), 2048 x 16384 0.229
+    (0.234-0.323). With the tiled keep back on one scan (`_select_rows`), 16384 takes 0.067
+    and 0.242 ms; the resident keep at 16384 is not yet measured on logit rows or k = 20%."""
     keys = block_rows * block_n
     if keys > RESIDENT_WIDTH or keys == 16384:
         return 16, 4096
