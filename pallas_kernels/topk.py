@@ -270,11 +270,12 @@ def _running_sum(x, grouped: bool):
     of SCAN_GROUP adjacent columns, then the group totals: Triton runs that far faster than
     one scan over a row of hundreds or thousands of columns (`_keep_tile`; H100, k = 10%:
     the per-row path 5-20% faster at 512-2048 rows of 8192-32768, the sampled path 10-12%
-    at 512-2048 rows of 65536-131072; groups of 16 to 256 within 2.5% of each other)."""
+    at 512-2048 rows of 65536-131072; groups of 16 to 256 within 2.5% of each other).
+    Tile widths are powers of 2 (`_check_tuning`), so min(SCAN_GROUP, W) divides W."""
+    if not grouped:
+        return jnp.cumsum(x, axis=1), jnp.sum(x, axis=1)
     rows, width = x.shape
     group = min(SCAN_GROUP, width)
-    if not grouped or width % group:
-        return jnp.cumsum(x, axis=1), jnp.sum(x, axis=1)
     grouped_x = x.reshape(rows, width // group, group)
     totals = jnp.sum(grouped_x, axis=2)                                            # [BR, W/g]
     before = jnp.cumsum(totals, axis=1) - totals
