@@ -161,3 +161,24 @@ def test_model_is_a_pytree_with_static_config(checkpoints):
     assert model.params["layers"][0]["wqkv"].shape == (c.hidden_size, c.num_heads
                                                        + 2 * c.num_kv_heads, c.head_dim)
     hash(model.config)
+
+
+@pytest.mark.parametrize("spec, x_shape, w_shape, one_row", [
+    ("...h,hnd->...nd", (24,), (24, 3, 8), True),       # no batch axis
+    ("...h,hnd->...nd", (1, 24), (24, 3, 8), True),     # batch 1 at decode
+    ("...h,hnd->...nd", (1, 1, 24), (24, 3, 8), True),
+    ("...nd,ndh->...h", (1, 3, 8), (3, 8, 24), True),   # o_proj contracts two axes
+    ("...h,hnd->...nd", (5, 24), (24, 3, 8), False),    # several rows: as they are
+])
+def test_projection_of_one_row_is_the_einsum(spec, x_shape, w_shape, one_row):
+    """`_dot` sends a single row through as two (the second zeros, so that XLA takes its gemm
+    path on the GPU); the row's result is the plain einsum's, bit for bit."""
+    from sparsejax.models import decoder
+    x = jax.random.normal(jax.random.key(0), x_shape, jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), w_shape, jnp.bfloat16)
+    got = decoder._dot(spec, x, w)
+    want = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    padded = "pad" in str(jax.make_jaxpr(lambda a: decoder._dot(spec, a, w))(x))
+    assert padded == one_row
