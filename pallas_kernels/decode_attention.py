@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sparsejax.pallas_kernels import common
@@ -40,6 +41,10 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_GROUP = 16
 BLOCK_G = 16  # query rows per program: the GQA group padded to the smallest Triton dot M
 NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
+# Splits for a concrete kv_heads mask, sized for the heads it keeps, stop here: the skipped
+# heads' partials are written and merged too (Llama-8B shapes, B=1, one head of eight, a
+# 131k-token cache: 512 splits cost 4k contexts 5 us a layer in the merge).
+MAX_MASKED_SPLITS = 128
 
 
 class DecodeAttention(NamedTuple):
@@ -360,9 +365,10 @@ def paged_decode_attention(
       never round-trips through memory. `LogitRows.scores()` is the pooled array. Positions
       >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
       (`topk_select` by its `valid`).
-    kv_heads: optional traced bool mask [HK]: only these KV heads (and their query groups)
-      are computed; the others are skipped and get out 0, lse -inf and -inf scores
-      ("max_heads" takes the max over the computed heads). None computes every head.
+    kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
+      computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
+      takes the max over the computed heads). None computes every head. A concrete mask
+      (numpy, not traced) also sizes the default splits for the heads it keeps.
     logits_dtype: float16 | float32 | None: how the Pallas path stores the logits the scores
       are made of, relative to a running max m (each query head's; for mean_query the mean of
       the group's, which bounds the mean logit from above). float16 halves the bytes; a logit
@@ -384,19 +390,26 @@ def paged_decode_attention(
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
     unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
                                         dtypes=DTYPES, max_group=MAX_GROUP)
+    # A mask known here (not traced) sizes the splits for the heads it keeps: one retrieval
+    # head of eight at B=1 would otherwise run on an eighth of the programs.
+    active = None
+    if kv_heads is not None and not isinstance(kv_heads, jax.core.Tracer):
+        active = max(1, int(np.count_nonzero(np.asarray(kv_heads))))
+        kv_heads = jnp.asarray(kv_heads)
     return _paged_decode_attention(
         q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
         pool_scores=bool(pool_scores), logits_dtype=logits_dtype, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
-        block_n=block_n, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        active_kv_heads=active, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
-    "block_n", "num_splits", "num_warps", "num_stages"))
+    "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
                             values, pool_scores, logits_dtype, sm_scale, backend, interpret,
-                            block_n, num_splits, num_warps, num_stages):
+                            active_kv_heads, block_n, num_splits, num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
@@ -405,9 +418,11 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
                                                 score=score, values=values,
                                                 pool_scores=pool_scores, kv_heads=kv_heads,
                                                 sm_scale=sm_scale)
-    tuning = default_tuning(q.shape[0], k_pages.shape[1], q.shape[2], k_pages.shape[2],
-                            page_table.shape[1], q.dtype, scores=score is not None,
-                            values=values)
+    tuning = default_tuning(q.shape[0], active_kv_heads or k_pages.shape[1], q.shape[2],
+                            k_pages.shape[2], page_table.shape[1], q.dtype,
+                            scores=score is not None, values=values)
+    if active_kv_heads:  # every head's partials [B, splits, HQ, D] are written and merged
+        tuning["num_splits"] = min(tuning["num_splits"], MAX_MASKED_SPLITS)
     given = dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                  num_stages=num_stages)
     tuning.update({k: v for k, v in given.items() if v is not None})

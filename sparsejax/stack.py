@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparsejax import resa, selection, sharding
 from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
@@ -157,8 +158,11 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        r = _dense(at, kv_heads=dense_heads, **selection.kernel_scores(s))
-        if isinstance(at.layer, int):
+        static = isinstance(at.layer, int)
+        # a static mask also sizes the kernel's splits for the few heads it computes
+        r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.layer], bool) if static
+                   else dense_heads, **selection.kernel_scores(s))
+        if static:
             # The retrieval heads are static here: select for their rows only (the top-k then
             # reads 1/HK of the rows when one head in HK retrieves, as is typical).
             heads = [h for h, is_retrieval in enumerate(plan.retrieval[at.layer]) if is_retrieval]

@@ -494,6 +494,32 @@ def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
         "num_splits"]) == (2, 4)
 
 
+def test_a_concrete_mask_sizes_the_splits_for_its_heads(interpret, monkeypatch):
+    """One retrieval head of four, as numpy: the default splits are those of one KV head (a
+    traced mask keeps the four heads' count), and the result is the traced mask's."""
+    from sparsejax.pallas_kernels import decode_attention
+    seen = []
+
+    def recording(batch, kv_heads, *args, **kwargs):
+        seen.append(kv_heads)
+        return default_tuning(batch, kv_heads, *args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "default_tuning", recording)
+    args = make_case(3, batch=2, q_heads=8, kv_heads=4, head_dim=64, page_size=8, max_pages=6,
+                     lengths=[40, 17], dtype=jnp.float32)
+    mask = np.array([False, False, True, False])
+    run = functools.partial(paged_decode_attention, *args, score="group_sum",
+                            backend="pallas", interpret=interpret)
+    concrete, traced = run(kv_heads=mask), jax.jit(lambda m: run(kv_heads=m))(jnp.asarray(mask))
+    assert seen == [1, 4]
+    long = (64, 8, 4096, jnp.float32)  # 32k tokens: enough key blocks for either count
+    assert (default_tuning(2, 1, *long)["num_splits"], default_tuning(2, 4, *long)[
+        "num_splits"]) == (128, 66)
+    np.testing.assert_allclose(concrete.out, traced.out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(concrete.lse, traced.lse, rtol=1e-6)
+    assert_scores_match(concrete.scores, traced.scores, 1e-6)
+
+
 def test_lowers_for_cuda_with_a_cache_over_4gib():
     """The benchmark's 128k shape: offsets past 2**31 elements need 64-bit indexing."""
     S = jax.ShapeDtypeStruct
