@@ -45,9 +45,11 @@ row's keys are >= T^; forced keys always are. One kernel counts the keys >= T^ p
 second compacts their columns and keys into [R, C] in column order (each chunk from the
 offset of the chunks before it), and the per-row search selects among these candidates, ties
 to the lower slot being ties to the lower column. The scores are read about twice instead of
-nine times, in five launches. Where any row has fewer candidates than its budget or more than
-C (heavy ties at T^, or data that the strided sample misjudges) a `lax.cond` runs the split
-path instead, so the output is exact either way. `default_tuning` picks the path.
+nine times, in five launches. A row with fewer candidates than its budget or more than C
+(heavy ties at T^, or data that the strided sample misjudges) is searched over its own scores
+by the last launch (slower: the row is re-read once per key bit; that kernel's other programs
+return at once), so the output is exact either way with no branch between the launches.
+`default_tuning` picks the path.
 
 Budget helpers give k_row per row for LycheeDecode's four budget modes and Kascade's ratio:
   TopK       fixed_budget(k, valid)
@@ -90,6 +92,9 @@ SAMPLE_SLACK = 4               # sample ranks of margin for small budgets
 # Fewer rows keep the split path: the sample's search and the candidates' select run one
 # program per row, which on a single 128k row costs more than the split path's passes
 # (H200: 0.052 vs 0.036 ms at 1 row, 0.057 vs 0.072 ms at 8; benchmarks/results/topk.json).
+# With Lychee's 4096-token budget (8192 candidates) the sampled path alone is faster (H200,
+# 1 row of 32832 columns: 27.6 against 32.4 us), but not inside a B=1 decode step (H100,
+# Llama-8B shapes, 31 such selections: 0.99 ms of kernels against the split path's 0.89).
 MIN_SAMPLED_ROWS = 8
 # Candidates beyond RESIDENT_WIDTH (budgets above ~30k) are streamed by their per-row select,
 # up to this many; wider ones keep the split path.
@@ -597,8 +602,8 @@ def _topk_split_pallas(scores, valid, k_row, *, k, force_first, force_last, bloc
 # strided sample of the keys gives a threshold T^ that leaves, with a wide margin, more than
 # the budget and fewer than `capacity` keys at or above it; the scores are then read twice
 # (count per chunk, compact the candidates) and the per-row search selects among the
-# candidates. Where the sample misled any row (too few or too many candidates), the whole
-# call takes the split path instead.
+# candidates. A row the sample misled (too few or too many candidates) is then searched over
+# its own scores by one more kernel.
 
 
 def _sample_rank(budget, stride: int, xp=jnp):
@@ -711,6 +716,38 @@ def _topk_candidates_kernel(keys_ref,     # [R, capacity] int32: candidate keys 
                  k=k, block_n=block_n, block_sel=block_sel, block_k=block_k)
 
 
+def _misjudged_rows_kernel(indices_in_ref,  # [R, k] int32: the candidates' selection
+                           count_in_ref,    # [R] int32 (both aliased to the outputs)
+                           num_ref,         # [R] int32: keys >= T^ per row
+                           budget_ref,      # [R] int32: the row's count
+                           scores_ref,      # [R, N] float32 (or LogitRows)
+                           valid_ref,       # [R] int32
+                           k_row_ref,       # [R] int32
+                           indices_ref,     # [R, k] int32 (out)
+                           count_ref,       # [R] int32 (out)
+                           *, k: int, force_first: int, force_last: int, capacity: int,
+                           block_n: int, block_k: int):
+    """Rows the sample misjudged (fewer candidates than the budget, or more than the
+    capacity) searched over their own scores, re-read once per key bit; the other rows'
+    programs mask everything off and leave the candidates' selection as it is."""
+    del indices_in_ref, count_in_ref
+    rows = pl.program_id(0) + lax.iota(jnp.int32, 1)                                # [1]
+    n = scores_ref.shape[-1]
+    found = plgpu.load(num_ref.at[rows])
+    misjudged = (found < plgpu.load(budget_ref.at[rows])) | (found > capacity)
+    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
+                                        force_first=force_first, force_last=force_last)
+    row_ok &= misjudged
+    valid, budget = jnp.where(row_ok, valid, 0), jnp.where(row_ok, budget, 0)
+
+    def tile_keys(start, width):
+        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
+                          force_last)
+
+    _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, valid, budget, n=n, k=k,
+                 block_n=block_n, block_sel=block_n, block_k=block_k)
+
+
 def _per_row_warps(block_rows: int, block_n: int) -> int:
     """Warps of the sampled path's per-row kernels (their rows are partly filled: the keep
     re-reads only the filled tiles)."""
@@ -769,10 +806,14 @@ def _sample_candidates(scores, valid, k_row, *, k, force_first, force_last, samp
     return Candidates(threshold, counts, num, budget, fits)
 
 
-def _select_candidates(scores, valid, candidates: Candidates, *, k, force_first, force_last,
-                       sample_stride, block_n, block_sel, num_warps, num_stages, interpret):
-    """Compact the keys >= T^ and select each row's budget among them -> (indices, count);
-    exact where `candidates.fits`."""
+def _select_candidates(scores, valid, k_row, candidates: Candidates, *, k, force_first,
+                       force_last, sample_stride, block_n, block_sel, block_k, num_warps,
+                       num_stages, interpret):
+    """Compact the keys >= T^ and select each row's budget among them -> (indices, count).
+    Rows the sample misjudged (`candidates.fits` false for them) are then searched over their
+    own scores by one more kernel, whose other programs return at once: exact either way,
+    with no branch between the launches (XLA reads a `lax.cond`'s predicate back to the host:
+    a round trip per call in every decode step)."""
     num_rows, n = scores.shape
     capacity = candidate_capacity(k, sample_stride)
     buffer = jax.ShapeDtypeStruct((num_rows, capacity), jnp.int32)
@@ -784,29 +825,37 @@ def _select_candidates(scores, valid, candidates: Candidates, *, k, force_first,
         name="topk_select_gather_candidates",
     )(scores, valid, candidates.threshold, candidates.counts)
     resident = min(capacity, RESIDENT_WIDTH)
-    return common.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                 jax.ShapeDtypeStruct((num_rows,), jnp.int32))
+    selected = common.pallas_call(
         functools.partial(_topk_candidates_kernel, k=k, block_n=resident,
                           block_sel=min(resident, 4096),
                           block_k=min(common.next_power_of_2(k), 1024)),
-        out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
-                   jax.ShapeDtypeStruct((num_rows,), jnp.int32)),
-        grid=(num_rows,), compiler_params=common.triton_params(_per_row_warps(1, resident), 1),
+        out_shape=out_shape, grid=(num_rows,),
+        compiler_params=common.triton_params(_per_row_warps(1, resident), 1),
         interpret=interpret, name="topk_select_candidates",
     )(keys, columns, candidates.num, candidates.budget)
+    row_tile = min(4096, common.next_power_of_2(n))
+    return common.pallas_call(
+        functools.partial(_misjudged_rows_kernel, k=k, force_first=force_first,
+                          force_last=force_last, capacity=capacity, block_n=row_tile,
+                          block_k=block_k),
+        out_shape=out_shape, grid=(num_rows,), input_output_aliases={0: 0, 1: 1},
+        compiler_params=common.triton_params(_per_row_warps(1, row_tile), 1),
+        interpret=interpret, name="topk_select_misjudged_rows",
+    )(*selected, candidates.num, candidates.budget, scores, valid, k_row)
 
 
 def _topk_sampled_pallas(scores, valid, k_row, *, k, force_first, force_last, sample_stride,
                          block_n, block_sel, block_k, num_warps, num_stages, interpret):
-    """-> (indices, count, fits): fits says the candidates served, not the split path."""
+    """-> (indices, count, fits): fits says the candidates served every row (else some rows
+    were searched over their own scores)."""
     kw = dict(k=k, force_first=force_first, force_last=force_last, block_n=block_n,
               block_sel=block_sel, num_warps=num_warps, num_stages=num_stages,
               interpret=interpret)
     candidates = _sample_candidates(scores, valid, k_row, sample_stride=sample_stride, **kw)
-    indices, count = lax.cond(
-        candidates.fits,
-        lambda: _select_candidates(scores, valid, candidates, sample_stride=sample_stride,
-                                   **kw),
-        lambda: _topk_split_pallas(scores, valid, k_row, block_k=block_k, **kw))
+    indices, count = _select_candidates(scores, valid, k_row, candidates,
+                                        sample_stride=sample_stride, block_k=block_k, **kw)
     return indices, count, candidates.fits
 
 
