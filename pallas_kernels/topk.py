@@ -400,17 +400,17 @@ def _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, present, budge
     plgpu.store(count_ref.at[store_rows[:, 0]], budget, mask=row_ok)
 
 
-def _topk_kernel(scores_ref,   # [R, N] float32
-                 valid_ref,    # [R] int32
-                 k_row_ref,    # [R] int32
-                 indices_ref,  # [R, k] int32 (out)
-                 count_ref,    # [R] int32 (out)
-                 *, k: int, force_first: int, force_last: int, block_rows: int, block_n: int,
-                 block_sel: int, block_k: int):
-    n = scores_ref.shape[1]
-    rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
+def _select_over_scores(scores_ref, valid_ref, k_row_ref, indices_ref, count_ref, rows,
+                        *, only=None, k: int, force_first: int, force_last: int,
+                        block_n: int, block_sel: int, block_k: int):
+    """The selections of `rows` [BR] searched over their scores; with `only` [BR], the other
+    rows are masked off (nothing read or written)."""
+    n = scores_ref.shape[-1]
     row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
                                         force_first=force_first, force_last=force_last)
+    if only is not None:
+        row_ok &= only
+        valid, budget = jnp.where(row_ok, valid, 0), jnp.where(row_ok, budget, 0)
 
     def tile_keys(start, width):
         return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
@@ -418,6 +418,17 @@ def _topk_kernel(scores_ref,   # [R, N] float32
 
     _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, valid, budget, n=n, k=k,
                  block_n=block_n, block_sel=block_sel, block_k=block_k)
+
+
+def _topk_kernel(scores_ref,   # [R, N] float32
+                 valid_ref,    # [R] int32
+                 k_row_ref,    # [R] int32
+                 indices_ref,  # [R, k] int32 (out)
+                 count_ref,    # [R] int32 (out)
+                 *, block_rows: int, **static):
+    rows = pl.program_id(0) * block_rows + lax.iota(jnp.int32, block_rows)          # [BR]
+    _select_over_scores(scores_ref, valid_ref, k_row_ref, indices_ref, count_ref, rows,
+                        **static)
 
 
 def _topk_pallas(scores, valid, k_row, *, k, force_first, force_last, block_rows, block_n,
@@ -725,27 +736,16 @@ def _misjudged_rows_kernel(indices_in_ref,  # [R, k] int32: the candidates' sele
                            k_row_ref,       # [R] int32
                            indices_ref,     # [R, k] int32 (out)
                            count_ref,       # [R] int32 (out)
-                           *, k: int, force_first: int, force_last: int, capacity: int,
-                           block_n: int, block_k: int):
+                           *, capacity: int, **static):
     """Rows the sample misjudged (fewer candidates than the budget, or more than the
     capacity) searched over their own scores, re-read once per key bit; the other rows'
     programs mask everything off and leave the candidates' selection as it is."""
     del indices_in_ref, count_in_ref
     rows = pl.program_id(0) + lax.iota(jnp.int32, 1)                                # [1]
-    n = scores_ref.shape[-1]
     found = plgpu.load(num_ref.at[rows])
     misjudged = (found < plgpu.load(budget_ref.at[rows])) | (found > capacity)
-    row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
-                                        force_first=force_first, force_last=force_last)
-    row_ok &= misjudged
-    valid, budget = jnp.where(row_ok, valid, 0), jnp.where(row_ok, budget, 0)
-
-    def tile_keys(start, width):
-        return _tile_keys(scores_ref, rows, row_ok, valid, start, width, force_first,
-                          force_last)
-
-    _select_rows(tile_keys, indices_ref, count_ref, rows, row_ok, valid, budget, n=n, k=k,
-                 block_n=block_n, block_sel=block_n, block_k=block_k)
+    _select_over_scores(scores_ref, valid_ref, k_row_ref, indices_ref, count_ref, rows,
+                        only=misjudged, **static)
 
 
 def _per_row_warps(block_rows: int, block_n: int) -> int:
@@ -839,7 +839,7 @@ def _select_candidates(scores, valid, k_row, candidates: Candidates, *, k, force
     return common.pallas_call(
         functools.partial(_misjudged_rows_kernel, k=k, force_first=force_first,
                           force_last=force_last, capacity=capacity, block_n=row_tile,
-                          block_k=block_k),
+                          block_sel=row_tile, block_k=block_k),
         out_shape=out_shape, grid=(num_rows,), input_output_aliases={0: 0, 1: 1},
         compiler_params=common.triton_params(_per_row_warps(1, row_tile), 1),
         interpret=interpret, name="topk_select_misjudged_rows",
