@@ -15,8 +15,8 @@ from sparsejax.models import Model, ModelConfig
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels.common import group_of_head
 from sparsejax.pallas_kernels import (LogitRows, fixed_budget, paged_decode_attention,
-                                      pool_logit_rows, ratio_budget, threshold_budget,
-                                      top_p_budget, topk_select)
+                                      pool_logit_rows, quest_page_bound, ratio_budget,
+                                      threshold_budget, top_p_budget, topk_select)
 from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 
@@ -205,9 +205,11 @@ def pre_attention_scores(plan: SparsePlan, at):
     anchors) come from the dense kernel's scores pass alone: K is read, V is not."""
     s = plan.selector
     if s.score == Score.QUEST_BOUND:
-        # the per-layer bounds index physical pages without the layer offset: layer 0's table
-        return quest_bound(at.q, at.state.kmin[at.layer], at.state.kmax[at.layer],
-                           at.step.page_table, at.step.lengths, plan.page_size), None
+        # Every layer's bounds as one [L * num_pages, HK, D] array read through this layer's
+        # table, as the cache is: a per-layer slice would be copied for the kernel.
+        kmin, kmax = (x.reshape((-1,) + x.shape[2:]) for x in (at.state.kmin, at.state.kmax))
+        return quest_page_bound(at.q, kmin, kmax, at.table, at.step.lengths,
+                                page_size=plan.page_size), None
     if s.score == Score.NONE:
         return None, None
     return scores_pass(plan, at.q, at.k_pages, at.v_pages, at.table, at.step.lengths)
@@ -228,22 +230,6 @@ def scores_pass(plan: SparsePlan, q, k_pages, v_pages, page_table, lengths):
     scores = r.scores if pools_in_topk(s) else pool_logit_rows(
         score, r.scores, lengths, page_size=k_pages.shape[2])
     return scores, r.scores
-
-
-def quest_bound(q, kmin, kmax, page_table, lengths, page_size):
-    """Quest's per-query-head page bound sum_d max(q_d * max_d, q_d * min_d) -> [B, HQ, pages].
-
-    kmin/kmax [num_pages, HK, D]: each physical page's element-wise key bounds.
-    """
-    lo, hi = kmin[page_table], kmax[page_table]                      # [B, MP, HK, D]
-    group = q.shape[1] // kmin.shape[1]
-    lo, hi = jnp.repeat(lo, group, axis=2), jnp.repeat(hi, group, axis=2)
-    qf = q.astype(jnp.float32)[:, None]                              # [B, 1, HQ, D]
-    bound = jnp.sum(jnp.maximum(qf * hi, qf * lo), axis=-1)          # [B, MP, HQ]
-    pages_valid = -(-lengths // page_size)
-    bound = jnp.where(jnp.arange(bound.shape[1])[None, :, None] < pages_valid[:, None, None],
-                      bound, -jnp.inf)
-    return jnp.transpose(bound, (0, 2, 1))
 
 
 # ---- per-layer state ------------------------------------------------------------------------
