@@ -49,7 +49,7 @@ TRACE = dict(model="qwen-1.5b", batch=64, contexts=(1, 512, 1024, 2048, 4096, 81
 # for a 60 GB cache and ran out of memory), so cells within 2.35x of the cache are the ones
 # that run.
 CACHE_HEADROOM = 2.35
-EXTRA_STEPS = 64         # cache slots past the context: warm-up + timed steps
+EXTRA_STEPS = 64         # cache slots past the context: `harness.profile`'s calls (42 at 10)
 
 
 def copy_bandwidth() -> float:

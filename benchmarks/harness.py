@@ -124,17 +124,26 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
+PROFILE_REPEATS = 3  # untraced runs of `calls` calls in `profile`; it reports their median
+
+
 def profile(fn, *, calls: int = 10, warmup: int = 3) -> dict:
-    """Per call of `fn()`: wall ms (untraced), GPU-busy ms (the union of kernel intervals),
-    kernel launches, ms per kernel class and the heaviest kernels by name."""
+    """Per call of `fn()`: wall ms (untraced: the median over PROFILE_REPEATS runs of
+    `calls` back-to-back calls, as one slow run, 2x at times, must not set the figure),
+    GPU-busy ms (the union of kernel intervals in one traced run), kernel launches, ms per
+    kernel class and the heaviest kernels by name. fn() is called
+    warmup + (PROFILE_REPEATS + 1) * calls times."""
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-        out = fn()
-    jax.block_until_ready(out)
-    wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    runs = []
+    for _ in range(PROFILE_REPEATS):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) * 1e3 / calls)
+    wall_ms = statistics.median(runs)
     events, _ = _gpu_events(fn, calls, 0)
     events.sort(key=lambda e: e[1])
     busy, end = 0, None

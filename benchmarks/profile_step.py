@@ -33,7 +33,8 @@ def run_case(model, name, method, batch, context, steps, layout):
 
     config = model.config
     plan = sparsejax.plan.as_plan(method, config, None)
-    cache = S.random_cache(config, plan, batch, context, 2 * steps + 8, jax.random.key(1))
+    extra = 8 + (harness.PROFILE_REPEATS + 1) * steps    # every call of `profile` adds a token
+    cache = S.random_cache(config, plan, batch, context, extra, jax.random.key(1))
     tokens = jnp.zeros((batch,), jnp.int32)
     step = jax.jit(sparsejax.decode_step, static_argnames="plan", donate_argnums=1)
     t0 = time.perf_counter()
