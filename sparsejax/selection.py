@@ -206,9 +206,11 @@ def pre_attention_scores(plan: SparsePlan, at):
     s = plan.selector
     if s.score == Score.QUEST_BOUND:
         # Every layer's bounds as one [L * num_pages, HK, D] array read through this layer's
-        # table, as the cache is: a per-layer slice would be copied for the kernel.
+        # page ids, as the cache is: a per-layer slice would be copied for the kernel. (On a
+        # mesh each device holds one layer's bounds, and `at.layer` is 0 there.)
         kmin, kmax = (x.reshape((-1,) + x.shape[2:]) for x in (at.state.kmin, at.state.kmax))
-        return quest_page_bound(at.q, kmin, kmax, at.table, at.step.lengths,
+        table = layer_page_ids(at.step.page_table, at.layer, at.state.kmin.shape[1])
+        return quest_page_bound(at.q, kmin, kmax, table, at.step.lengths,
                                 page_size=plan.page_size), None
     if s.score == Score.NONE:
         return None, None
