@@ -2,18 +2,21 @@
 the score rules, the selection group each query head reads.
 
 The LSE combine lives here once: split-K reduction, hybrid dense/sparse merges and RESA all
-call `merge_partials`.
+call `merge_partials`; `merge_splits` is the same combine as one Pallas kernel, for the
+decode kernels' split-K partials.
 """
 from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import math
 import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 
@@ -196,6 +199,62 @@ def merge_partials(out: jax.Array, lse: jax.Array, axis: int) -> tuple[jax.Array
     w = w / jnp.where(total > 0, total, 1.0)
     merged = jnp.sum(out.astype(jnp.float32) * jnp.expand_dims(w, -1), axis=axis)
     return merged, lse_all
+
+
+def _merge_splits_kernel(out_ref,      # [A, S, C, D] f32: each split's normalised output
+                         lse_ref,      # [A, S, C] f32: -inf for an empty split
+                         merged_ref,   # [A, C, D] out_dtype
+                         merged_lse_ref,  # [A, C] f32
+                         *, chunk: int):
+    a, c = pl.program_id(0), pl.program_id(1)
+    num_splits, head_dim = out_ref.shape[1], out_ref.shape[3]
+    splits = jnp.arange(next_power_of_2(num_splits))
+    lse = plgpu.load(lse_ref.at[a, splits, c], mask=splits < num_splits, other=-jnp.inf)
+    m = jnp.max(lse)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.exp(lse - m_safe))  # empty splits and the padding add 0
+    norm = jnp.where(total > 0, total, 1.0)
+    chunk = min(chunk, splits.shape[0])
+    cols = jnp.arange(head_dim)
+
+    def body(i, acc):
+        rows = i * chunk + jnp.arange(chunk)
+        live = rows < num_splits
+        w = jnp.exp(plgpu.load(lse_ref.at[a, rows, c], mask=live, other=-jnp.inf) - m_safe) / norm
+        # An empty split's output may be unwritten: never read, weight 0.
+        x = plgpu.load(out_ref.at[a, rows[:, None], c, cols[None, :]],
+                       mask=(live & (w > 0))[:, None], other=0.0)
+        return acc + jnp.sum(x * w[:, None], axis=0)
+
+    acc = lax.fori_loop(0, cdiv(num_splits, chunk), body, jnp.zeros((head_dim,), jnp.float32))
+    plgpu.store(merged_ref.at[a, c, :], acc.astype(merged_ref.dtype))
+    plgpu.store(merged_lse_ref.at[a, c], jnp.where(total > 0, m_safe + jnp.log(norm), -jnp.inf))
+
+
+def merge_splits(out: jax.Array, lse: jax.Array, *, out_dtype, interpret: bool,
+                 chunk: int | None = None, num_warps: int | None = None):
+    """`merge_partials` of a split-K kernel's partials as one Pallas kernel (XLA makes that
+    four launches: two reductions over the LSEs, the weights, the weighted sum), on the
+    kernel's own layout. out [A, S, C, D] f32, lse [A, S, C] (S the splits; -inf marks an
+    empty split, whose out is never read) -> (out [A, C, D] out_dtype, lse [A, C] f32).
+
+    One program per (a, c), loading `chunk` partials at a time. Default: 32 at 1 warp, 64 at
+    2 warps from 128 padded splits (H100, D = 128: [1, 66, 32] 3.2 us against XLA's 6.4,
+    [1, 128, 12] 3.2 against 7.1, [64, 2, 32] 2.5 against 3.5; chunks of 8-64 at 1-4 warps
+    swept)."""
+    outer, splits, rows, head_dim = out.shape
+    wide = next_power_of_2(splits) >= 128
+    chunk = chunk or (64 if wide else 32)
+    num_warps = num_warps or (2 if wide else 1)
+    return pallas_call(
+        functools.partial(_merge_splits_kernel, chunk=chunk),
+        grid=(outer, rows),
+        out_shape=(jax.ShapeDtypeStruct((outer, rows, head_dim), out_dtype),
+                   jax.ShapeDtypeStruct((outer, rows), jnp.float32)),
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="merge_splits",
+    )(out, lse)
 
 
 def merge_lse(lse: jax.Array, axis: int) -> jax.Array:

@@ -8,7 +8,7 @@ Kernel: flash-decoding split-K on Pallas-Triton. Grid (batch, kv_head, split); e
 loads its GQA query group padded to 16 rows (the smallest M of a Triton dot), walks its share
 of the row's key blocks through the page table with masked gathers straight from the cache
 (no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
-`common.merge_partials` combines the splits. For scores the kernel also writes the scaled
+`common.merge_splits` combines the splits. For scores the kernel also writes the scaled
 logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
 epilogue turns logits + final LSE into the requested pooling, so K is read once. The logits
 are written relative to a running max (s - m, with m per key block: each query head's own, or
@@ -192,8 +192,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
 
     if values:
         out_part, lse_part, *logits = parts
-        out, lse = common.merge_partials(out_part, lse_part, axis=1)
-        out = out.astype(q.dtype)
+        out, lse = common.merge_splits(out_part, lse_part, out_dtype=q.dtype,
+                                       interpret=interpret)
     else:
         (lse_part, *logits), out = parts, None
         lse = common.merge_lse(lse_part, axis=1)

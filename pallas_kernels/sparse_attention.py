@@ -20,7 +20,7 @@ does the same amount of work whatever head it belongs to, the hardware block sch
 balances the pool of splits across SMs: a dense head becomes many splits instead of one long
 program (LycheeDecode's pooled equal splits). `dense_heads` is traced, so the grid is sized
 for the worst case (max_pages*P tokens) only when it is given; an empty program runs no step.
-`common.merge_partials` combines the partials.
+`common.merge_splits` combines the partials.
 
 One split per row group (split_tokens >= the longest stream, a static fact of the shapes):
 the kernel writes the normalised output in q's dtype and the final LSE itself, and there is
@@ -483,17 +483,20 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
              f"{'' if logits_block_n is None else '_given_logits'}",
     )(page_table, lengths, indices, count, q, k_rows, v_rows, *optional)
 
-    def combine(out, lse):
+    def combine(out, lse, dtype):
         if direct:
             return out[0], lse[0]
-        # Empty partials left their out unwritten; their lse is -inf.
-        out = jnp.where(jnp.isfinite(lse)[..., None], out, 0.0)
-        return common.merge_partials(out, lse, axis=0)
+        # [S, B, HQ, ...] -> [1, S, B * HQ, ...]: free reshapes. Empty partials left their out
+        # unwritten; their lse is -inf and the merge never reads them.
+        out, lse = common.merge_splits(out.reshape(1, num_splits, -1, head_dim),
+                                       lse.reshape(1, num_splits, -1), out_dtype=dtype,
+                                       interpret=interpret)
+        return out.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
-    out, lse = combine(partials[0], partials[1])
+    out, lse = combine(partials[0], partials[1], q.dtype)
     prior = None
     if has_prior:
-        prior_out, prior_lse = combine(partials[2], partials[3])
+        prior_out, prior_lse = combine(partials[2], partials[3], jnp.float32)
         prior = (prior_lse, prior_out)
     return SparseAttention(out.astype(q.dtype), lse, prior)
 

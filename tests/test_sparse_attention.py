@@ -480,7 +480,10 @@ def _lower_and_check_grid(case, opts, tuning, path):
                                        interpret=False, **tuning)
     text = lower_for_cuda(fn, *case.values(), *extra.values())
     grid_y = [int(g) for g in re.findall(r"grid_y = (\d+)", text)]
-    assert len(grid_y) == 1, "one Triton kernel per call"
+    # The attention kernel, then on the split path the merge of its partials (one kernel
+    # for the output, one for the prior's).
+    merges = 0 if path == "direct" else 1 + ("prior_query" in names)
+    assert len(grid_y) == 1 + merges, "the kernel and its merges"
     assert (grid_y[0] == 1) == (path == "direct")
     return text
 
