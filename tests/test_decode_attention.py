@@ -494,6 +494,15 @@ def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
         "num_splits"]) == (2, 4)
 
 
+def test_default_splits_go_down_to_one_key_block():
+    """B=1 on a cache sized to its context: as many splits as ~4 waves want, up to one per
+    key block of 64 tokens (a 4160-token cache has 65), none at a single block."""
+    assert default_tuning(1, 8, 128, 16, 260, jnp.bfloat16)["num_splits"] == 65
+    assert default_tuning(1, 2, 128, 16, 65, jnp.bfloat16)["num_splits"] == 17
+    assert default_tuning(1, 8, 128, 16, 8196, jnp.bfloat16)["num_splits"] == 66
+    assert default_tuning(1, 8, 128, 16, 4, jnp.bfloat16)["num_splits"] == 1
+
+
 def test_a_concrete_mask_sizes_the_splits_for_its_heads(interpret, monkeypatch):
     """One retrieval head of four, as numpy: the default splits are those of one KV head (a
     traced mask keeps the four heads' count), and the result is the traced mask's."""
@@ -514,7 +523,7 @@ def test_a_concrete_mask_sizes_the_splits_for_its_heads(interpret, monkeypatch):
     assert seen == [1, 4]
     long = (64, 8, 4096, jnp.float32)  # 32k tokens: enough key blocks for either count
     assert (default_tuning(2, 1, *long)["num_splits"], default_tuning(2, 4, *long)[
-        "num_splits"]) == (128, 66)
+        "num_splits"]) == (264, 66)     # the call caps one head's at MAX_MASKED_SPLITS
     np.testing.assert_allclose(concrete.out, traced.out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(concrete.lse, traced.lse, rtol=1e-6)
     assert_scores_match(concrete.scores, traced.scores, 1e-6)
