@@ -53,7 +53,8 @@ def _bound_kernel(q_ref,           # [B, HQ, D]
         live = pages < valid_pages
         # Masked: page-table entries past the length may be garbage and are never read.
         ids = plgpu.load(page_table_ref.at[b, pages], mask=live, other=0)
-        rows = (ids * kv_heads + h)[:, None], cols[None, :]
+        # the bounds as [num_pages * HK, D]: a cache of one slot per page
+        rows = common.cache_row(ids, h, 0, kv_heads=kv_heads, page_size=1)[:, None], cols[None, :]
         lo = plgpu.load(kmin_ref.at[rows], mask=live[:, None], other=0.0)  # [block_p, D]
         hi = plgpu.load(kmax_ref.at[rows], mask=live[:, None], other=0.0)
         for g, q in enumerate(queries):
@@ -145,8 +146,7 @@ def quest_page_bound(q, kmin, kmax, page_table, lengths, *, page_size: int, back
                                     interpret=common.resolve_interpret(interpret), **tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "interpret", "block_p", "num_splits",
-                                             "num_warps"))
+@functools.partial(jax.jit, static_argnames=("page_size", "interpret", *TUNING))
 def _quest_page_bound_pallas(q, kmin, kmax, page_table, lengths, *, page_size, interpret,
                              block_p, num_splits, num_warps):
     batch, q_heads, head_dim = q.shape

@@ -498,7 +498,7 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     if has_prior:
         prior_out, prior_lse = combine(partials[2], partials[3], jnp.float32)
         prior = (prior_lse, prior_out)
-    return SparseAttention(out.astype(q.dtype), lse, prior)
+    return SparseAttention(out, lse, prior)
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit, head_map,
