@@ -251,7 +251,14 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
       of 4 blocks per split left B=1 on a cache sized to its context at 16 splits: H100, a
       4k cache, 65 splits against 16 took the whole step 2.10 -> 1.98 ms at DS-Qwen-1.5B
       shapes and 6.04 -> 6.00 at Llama-8B's, a 1k cache 2.05 -> 1.90, merge included.)
-    num_warps=4, num_stages=2.
+    Where the row groups alone fill the SMs (batch x kv_heads >= 132), a power of 2: three
+      splits measured 10-25% slower than two or four (B=32, 8 KV heads, 32k-512k, on an H100
+      and an H200; five, six and eight ran as fast as four). The scores pass alone keeps its
+      doubled count (six at B=32).
+    num_warps=4, num_stages=2; without scores, 2 warps once the row groups fill two waves
+      (batch x kv_heads >= 264): B=64, 8 KV heads, 8k / 32k / 128k 1.1 / 2.1 / 0.3% faster on
+      an H100, 4.4 / 4.9 / 0.2% on an H200 (B=32 and B=16 no faster; the scores kernel with 2
+      warps 1.2-2.4x slower).
     With scores and at least one program per SM before splitting (batch x kv_heads >= 132):
       K tiles of 32 KiB (block_n 128 at D=128 bf16) and num_stages 3, half the loop steps that
       also store logits (H200, B=64, 128k: group_sum 9.31 -> 8.62 ms, mean_query 8.80 ->
@@ -270,9 +277,15 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     if scores and batch * kv_heads >= NUM_SMS:
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
-    num_splits = common.cdiv(4 * NUM_SMS, batch * kv_heads) * (1 if values else 2)
+    row_groups = batch * kv_heads
+    num_splits = common.cdiv(4 * NUM_SMS, row_groups)
+    if row_groups >= NUM_SMS and values:
+        num_splits = 1 << (num_splits.bit_length() - 1)
+    num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
-    return dict(block_n=block_n, num_splits=num_splits, num_warps=4, num_stages=num_stages)
+    num_warps = 2 if not scores and row_groups >= 2 * NUM_SMS else 4
+    return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
+                num_stages=num_stages)
 
 
 def _check_tuning(block_n, num_splits, num_warps, num_stages):
