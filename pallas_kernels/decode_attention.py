@@ -255,10 +255,11 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
       splits measured 10-25% slower than two or four (B=32, 8 KV heads, 32k-512k, on an H100
       and an H200; five, six and eight ran as fast as four). The scores pass alone keeps its
       doubled count (six at B=32).
-    num_warps=4, num_stages=2; without scores, 2 warps once the row groups fill two waves
-      (batch x kv_heads >= 264): B=64, 8 KV heads, 8k / 32k / 128k 1.1 / 2.1 / 0.3% faster on
-      an H100, 4.4 / 4.9 / 0.2% on an H200 (B=32 and B=16 no faster; the scores kernel with 2
-      warps 1.2-2.4x slower).
+    num_warps=4, num_stages=2; without scores and with 16-bit inputs, 2 warps once the row
+      groups fill two waves (batch x kv_heads >= 264): B=64, 8 KV heads, D=128 bf16, 8k / 32k /
+      128k 1.1 / 2.1 / 0.3% faster on an H100, 4.4 / 4.9 / 0.2% on an H200 (B=32 and B=16 no
+      faster; the scores kernel with 2 warps 1.2-2.4x slower; float32's heavier dots were not
+      measured and keep 4).
     With scores and at least one program per SM before splitting (batch x kv_heads >= 132):
       K tiles of 32 KiB (block_n 128 at D=128 bf16) and num_stages 3, half the loop steps that
       also store logits (H200, B=64, 128k: group_sum 9.31 -> 8.62 ms, mean_query 8.80 ->
@@ -283,7 +284,8 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
         num_splits = 1 << (num_splits.bit_length() - 1)
     num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
-    num_warps = 2 if not scores and row_groups >= 2 * NUM_SMS else 4
+    sixteen_bit = jnp.dtype(dtype).itemsize == 2
+    num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * NUM_SMS else 4
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                 num_stages=num_stages)
 

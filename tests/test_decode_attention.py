@@ -497,13 +497,14 @@ def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
 def test_default_splits_are_powers_of_2_once_row_groups_fill_the_sms():
     """B=32 x 8 KV heads wants 3 splits for ~4 waves, which measured slower than 2 or 4: a
     power of 2 once batch x kv_heads reaches the SM count; fewer row groups keep the count
-    (B=16: 5). Two warps without scores from two waves of row groups (B=64)."""
+    (B=16: 5). Two warps without scores from two waves of row groups (B=64), 16-bit only."""
     shape = (128, 16, 2048, jnp.bfloat16)
     assert [default_tuning(b, 8, *shape)["num_splits"] for b in (16, 32, 64)] == [5, 2, 2]
     assert default_tuning(32, 8, *shape, scores=True)["num_splits"] == 2
     assert default_tuning(32, 8, *shape, scores=True, values=False)["num_splits"] == 6
     assert [default_tuning(b, 8, *shape)["num_warps"] for b in (16, 32, 64)] == [4, 4, 2]
     assert default_tuning(64, 8, *shape, scores=True)["num_warps"] == 4
+    assert default_tuning(64, 8, 128, 16, 2048, jnp.float32)["num_warps"] == 4
 
 
 def test_default_splits_go_down_to_one_key_block():
