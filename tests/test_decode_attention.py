@@ -555,6 +555,29 @@ def test_lowers_for_cuda_with_a_cache_over_4gib():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,splits,warps", [(48, 2, 4), (72, 2, 2)])
+def test_native_gpu_defaults_where_row_groups_fill_the_sms(batch, splits, warps):
+    """The defaults that only many row groups reach: 48 x 4 KV heads rounds 3 splits down to
+    2, 72 x 4 also takes 2 warps; against the reference, ragged rows, with and without
+    scores."""
+    kv_heads, page_size, max_pages = 4, 16, 24
+    tuning = default_tuning(batch, kv_heads, 128, page_size, max_pages, jnp.bfloat16)
+    assert (tuning["num_splits"], tuning["num_warps"]) == (splits, warps)
+    keys = jax.random.split(jax.random.key(1), 3)
+    num_pages = batch * max_pages
+    q = jax.random.normal(keys[0], (batch, 4 * kv_heads, 128), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (num_pages, kv_heads, page_size, 128), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (num_pages, kv_heads, page_size, 128), jnp.bfloat16)
+    page_table = jnp.asarray(np.random.default_rng(1).permutation(num_pages)
+                             .reshape(batch, max_pages), jnp.int32)
+    lengths = jnp.asarray(np.random.default_rng(2).integers(1, max_pages * page_size + 1,
+                                                            batch), jnp.int32)
+    args = (q, k, v, page_table, lengths)
+    for score in (None, "group_sum"):
+        assert_matches_reference(args, score=score, dtype=jnp.bfloat16, interpret=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,group", [(jnp.bfloat16, 128, 4),
                                                   (jnp.float16, 256, 8),
                                                   (jnp.float32, 64, 16)])
