@@ -40,7 +40,7 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_GROUP = 16
 BLOCK_G = 16  # query rows per program: the GQA group padded to the smallest Triton dot M
-NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
+NUM_SMS = common.NUM_SMS  # the default split count aims at a few waves of these SMs
 # Splits for a concrete kv_heads mask, sized for the heads it keeps, stop here: the skipped
 # heads' partials are written and merged too (Llama-8B shapes, B=1, one head of eight, a
 # 131k-token cache: 512 splits cost 4k contexts 5 us a layer in the merge).

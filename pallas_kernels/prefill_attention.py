@@ -53,7 +53,7 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # Dense chunks of at least this many queries take cuDNN under backend="auto" on a GPU (H200,
 # 2026-11-26, B=16 over 32k: 512 queries 8.5 vs 9.7 ms on Pallas, 2048: 29 vs 42; 32: 3.2 vs 0.8)
 CUDNN_MIN_CHUNK = 512
-NUM_SMS = 132  # H100/H200; the default split count aims at a few waves of this many SMs
+NUM_SMS = common.NUM_SMS  # the default split count aims at a few waves of these SMs
 
 
 class PrefillAttention(NamedTuple):

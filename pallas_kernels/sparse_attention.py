@@ -72,8 +72,7 @@ SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
 MAX_GROUP_SIZE = 16
 # Default split rule (`default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
 # program's K/V buffers (64 KiB) allow ~3 resident programs per SM:
-_NUM_SMS = 132
-_WAVE = 3 * _NUM_SMS  # programs resident at once
+_WAVE = 3 * common.NUM_SMS  # programs resident at once
 _MAX_SPLIT_TOKENS = 2048  # longest split below a wave of row groups: bounds the tail (~1 MiB)
 _MIN_SPLIT_TOKENS = 256  # shortest split: the prologue and the partial write stay amortised
 _TARGET_PROGRAMS = 4 * _WAVE  # when splitting anyway: ~4 waves, a short tail
