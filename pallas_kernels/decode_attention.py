@@ -252,7 +252,7 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
       4k cache, 65 splits against 16 took the whole step 2.10 -> 1.98 ms at DS-Qwen-1.5B
       shapes and 6.04 -> 6.00 at Llama-8B's, a 1k cache 2.05 -> 1.90, merge included.)
     Where the row groups alone fill the SMs (batch x kv_heads >= 132), a power of 2: three
-      splits measured 10-25% slower than two or four (B=32, 8 KV heads, 32k-512k, on an H100
+      splits measured 4-25% slower than two or four (B=32, 8 KV heads, 32k-512k, on an H100
       and an H200; five, six and eight ran as fast as four). The scores pass alone keeps its
       doubled count (six at B=32).
     num_warps=4, num_stages=2; without scores and with 16-bit inputs, 2 warps once the row
