@@ -40,7 +40,6 @@ PAGE_SIZES = (8, 16, 32, 64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_GROUP = 16
 BLOCK_G = 16  # query rows per program: the GQA group padded to the smallest Triton dot M
-NUM_SMS = common.NUM_SMS  # the default split count aims at a few waves of these SMs
 # Splits for a concrete kv_heads mask, sized for the heads it keeps, stop here: the skipped
 # heads' partials are written and merged too (Llama-8B shapes, B=1, one head of eight, a
 # 131k-token cache: 512 splits cost 4k contexts 5 us a layer in the merge).
@@ -275,17 +274,17 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     block_n = max(16, min(block_n, common.next_power_of_2(max_tokens)))
     max_blocks = common.cdiv(max_tokens, block_n)
     num_stages = 2
-    if scores and batch * kv_heads >= NUM_SMS:
+    row_groups = batch * kv_heads
+    if scores and row_groups >= common.NUM_SMS:
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
-    row_groups = batch * kv_heads
-    num_splits = common.cdiv(4 * NUM_SMS, row_groups)
-    if row_groups >= NUM_SMS and values:
+    num_splits = common.cdiv(4 * common.NUM_SMS, row_groups)
+    if row_groups >= common.NUM_SMS and values:
         num_splits = 1 << (num_splits.bit_length() - 1)
     num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
-    num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * NUM_SMS else 4
+    num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * common.NUM_SMS else 4
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                 num_stages=num_stages)
 

@@ -53,7 +53,6 @@ CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 # Dense chunks of at least this many queries take cuDNN under backend="auto" on a GPU (H200,
 # 2026-11-26, B=16 over 32k: 512 queries 8.5 vs 9.7 ms on Pallas, 2048: 29 vs 42; 32: 3.2 vs 0.8)
 CUDNN_MIN_CHUNK = 512
-NUM_SMS = common.NUM_SMS  # the default split count aims at a few waves of these SMs
 
 
 class PrefillAttention(NamedTuple):
@@ -419,7 +418,7 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     block_n = 64 if narrow else 32
     programs = batch * kv_heads * common.cdiv(chunk, block_q)
     max_blocks = common.cdiv(max_pages * page_size, block_n)
-    num_splits = max(1, min(common.cdiv(4 * NUM_SMS, programs), max_blocks // 4))
+    num_splits = max(1, min(common.cdiv(4 * common.NUM_SMS, programs), max_blocks // 4))
     return dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
                 num_warps=8 if block_q * group_pad >= (256 if sparse else 128) else 4,
                 num_stages=3, lookahead=0 if sparse else 1)
