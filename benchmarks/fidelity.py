@@ -67,7 +67,7 @@ QUESTIONS = {
 
 def plot_questions(doc: dict, directory: Path) -> list[Path]:
     """One PNG per question: fidelity_accuracy.png, fidelity_recall.png, fidelity_error.png."""
-    from sparsejax import eval as evaluation
+    from sparsejax import evaluation
 
     return [evaluation.plot(doc, directory / f"fidelity_{name}.png", metrics=[key],
                             title=f"{question}\n{Path(doc['model']).name}, {doc['context']} "
@@ -111,7 +111,7 @@ def _load():
 
 
 def _run(methods, args) -> dict:
-    from sparsejax import eval as evaluation
+    from sparsejax import evaluation
 
     path, model, vocab = _load()
     return evaluation.evaluate(
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
             s.add_argument("--kascade", required=True, help="Kascade calibration JSON")
     args = p.parse_args(argv)
     if args.command == "merge":
-        from sparsejax import eval as evaluation
+        from sparsejax import evaluation
 
         doc = merge(args.inputs)
         plot_questions(doc, args.plots)
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                   f"{row['attn_error_resa']:.3f} with RESA (reduced by {row['reduction']:.0%})")
     else:
         doc = gates(args) if args.command == "gates" else calibration(args)
-        from sparsejax import eval as evaluation
+        from sparsejax import evaluation
         print(evaluation.table(doc))
     _write(doc, args.out)
     return 0

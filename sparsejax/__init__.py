@@ -8,13 +8,13 @@
 from pathlib import Path
 
 from sparsejax import methods
-from sparsejax.cache import PagedKVCache, allocate
+from sparsejax.cache import PagedKVCache
 from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
                                 prefill, sample)
 from sparsejax.llm import LLM
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
-from sparsejax.sharding import shard
+from sparsejax.sharding import allocate, shard
 
 __version__ = "0.1.0"
 

@@ -291,7 +291,7 @@ def _from_reference(path: Path, threshold: float) -> dict:
 
     if (directory / "full_head.pt").exists():
         return {"retrieval_heads": read("full_head.pt") > 0.5}
-    from sparsejax.train import hardkuma   # the gates' distribution: pure jnp, no training
+    from sparsejax import hardkuma
 
     a, b = read("a.pt"), read("b.pt")
     return {"retrieval_heads": np.asarray(hardkuma.mean(jnp.asarray(a), jnp.asarray(b))) > 0.5}

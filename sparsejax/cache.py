@@ -58,24 +58,18 @@ def check_page_size(page_size) -> None:
 
 
 def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-             dtype=jnp.bfloat16, mesh=None, kv_copies: int = 1) -> PagedKVCache:
-    """An empty cache for `batch` rows of up to `capacity` tokens each.
+             dtype=jnp.bfloat16, kv_copies: int = 1) -> PagedKVCache:
+    """An empty cache for `batch` rows of up to `capacity` tokens each, on the default device
+    (`sparsejax.allocate` lays it out on a mesh).
 
     Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
     equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
-    each data shard's rows). `mesh`: laid out for tensor parallelism on it
-    (`sparsejax.sharding`). `kv_copies`: each KV head stored that many times in a row (what a
+    each data shard's rows). `kv_copies`: each KV head stored that many times in a row (what a
     mesh with more model ranks than KV heads needs; a mesh sets it).
     """
     check_page_size(page_size)
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
-    if mesh is not None:
-        from sparsejax import sharding  # sharding builds on this module
-        sharding.check_mesh(mesh, config, batch)
-        return sharding.allocate(lambda: allocate(
-            config, batch, capacity, page_size=page_size, dtype=dtype,
-            kv_copies=sharding.kv_copies(config, mesh)), config, mesh)
     max_pages = -(-capacity // page_size)
     shape = (config.num_layers, batch * max_pages, config.num_kv_heads * kv_copies, page_size,
              config.head_dim)

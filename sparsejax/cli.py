@@ -9,6 +9,8 @@ import math
 import sys
 import time
 
+from sparsejax.arguments import nonnegative_float, positive_int, ratio
+
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in its help; an option defaulting to None says in its own help
@@ -18,51 +20,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.required:
             return action.help
         return super()._get_help_string(action)
-
-
-# ---- argument types: a bad value is an argparse error naming the flag ------------------------
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number >= 0")
-    return value
-
-
-def ratio(text: str) -> float:
-    value = nonnegative_float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a share of the context in (0, 1]")
-    return value
-
-
-def ratio_list(text: str) -> list[float]:
-    """'0.1,0.25' -> [0.1, 0.25]."""
-    return [ratio(t) for t in _items(text)]
-
-
-def token_list(text: str) -> list[int]:
-    """'128,512' -> [128, 512]."""
-    return [positive_int(t) for t in _items(text)]
-
-
-def _items(text: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated values")
-    return items
 
 
 # ---- generate -------------------------------------------------------------------------------
@@ -147,7 +104,7 @@ def cmd_generate(args) -> int:
 
     import sparsejax
     from sparsejax import sharding
-    from sparsejax.eval import speed_note
+    from sparsejax.evaluation import speed_note
 
     method_options(args)                      # before loading anything
     mesh = sharding.tensor_parallel_mesh(args.tp)
@@ -203,7 +160,7 @@ def add_generate_parser(sub) -> None:
 
 # ---- the program ----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from sparsejax import demo, eval as evaluation
+    from sparsejax import demo, evaluation
     from sparsejax.train import calibrate, gates, pretrain
 
     parser = argparse.ArgumentParser(prog="sparsejax", description=__doc__,

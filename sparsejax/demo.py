@@ -24,7 +24,7 @@ DEMO_METHODS = ",".join([*M.REGISTRY, "delta+resa", "delta+spec"])
 
 def run(args) -> int:
     import sparsejax
-    from sparsejax import eval as evaluation
+    from sparsejax import evaluation
     from sparsejax.files import check_writable
     from sparsejax.train import data
 
@@ -80,8 +80,8 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from sparsejax import eval as evaluation
-    from sparsejax.cli import positive_int, ratio_list, token_list
+    from sparsejax import evaluation
+    from sparsejax.arguments import positive_int, ratio_list, token_list
 
     p = sub.add_parser("demo", help="every method on the embedded default model (make demo)")
     p.add_argument("--context", type=positive_int, default=768, help="prompt tokens")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import cache as kv
-from sparsejax import resa, selection, sharding
+from sparsejax import resa, selection, sharded_attention
 from sparsejax.models import Model, attention_inputs, embed, finish_layer, layer_params, unembed
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
 from sparsejax.plan import Role, Selection, SparsePlan
@@ -72,7 +72,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
                                count=sel.count[:, :, head_map[layer]])
         attend = functools.partial(_attend_chunk, role=role, plan=plan, capacity=cache.capacity)
         if model.mesh is not None:
-            attend = sharding.prefill_attention(attend, model.mesh, c)
+            attend = sharded_attention.prefill_attention(attend, model.mesh, c)
         with jax.named_scope("attention_prefill"):
             out, selected = attend(q, k_flat, v_flat, mapped, table, start, num_tokens)
         sel = sel if selected is None else selected

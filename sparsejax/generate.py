@@ -21,7 +21,7 @@ from sparsejax import selection, sharding, speculative
 from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
-from sparsejax.stack import decode_layers, prefill_state
+from sparsejax.layers import decode_layers, prefill_state
 
 
 class GenerateOutput(NamedTuple):
@@ -159,7 +159,7 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     checkpoint's (generation_config.json, else config.json); `()` never stops. The page size
     defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
     also returns per decode step and layer: recall, oracle_recall, attn_error (see
-    `sparsejax.stack`).
+    `sparsejax.layers`).
     `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
     `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
     are re-run with dense attention and their K/V (and per-page method state) overwritten

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sparsejax import sharding
+from sparsejax import sharded_attention
 from sparsejax.cache import layer_pages
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention
@@ -62,7 +62,7 @@ def prior_from_cache(model, cache, mu_q: jax.Array, mu_k: jax.Array, length: jax
         return r.lse, r.out.astype(jnp.float32)
 
     if model.mesh is not None:
-        attend = sharding.prior_attention(attend, model.mesh, model.config)
+        attend = sharded_attention.prior_attention(attend, model.mesh, model.config)
     lse, o_est = [], []
     for layer in range(mu_q.shape[0]):
         r = attend(mu_q[layer].astype(k_flat.dtype), k_flat, v_flat,

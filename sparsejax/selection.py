@@ -201,7 +201,7 @@ def covered_positions(sel: Selection, unit: int, limit: jax.Array, num_heads: in
 def pre_attention_scores(plan: SparsePlan, at):
     """(scores, logits): what a SELF layer selects from and, where its sparse attention can
     read them instead of K, the logits behind them; `at` is the layer's
-    `stack.LayerContext`. The attention-based scores (oracle top-k, Kascade's sparse
+    `layers.LayerContext`. The attention-based scores (oracle top-k, Kascade's sparse
     anchors) come from the dense kernel's scores pass alone: K is read, V is not."""
     s = plan.selector
     if s.score == Score.QUEST_BOUND:

@@ -1,13 +1,13 @@
-"""Tensor parallelism over a `jax.sharding.Mesh`: where every array lives, and attention per device.
+"""Tensor parallelism over a `jax.sharding.Mesh`: where every array lives.
 
 The mesh has an axis "model" (tensor parallel) and optionally "data" (batch). `shard(model,
 mesh)` places the parameters in the Megatron layout from one table (`LAYER_AXES`, `TOP_AXES`
 -> `partition_spec`) and returns a model that carries its mesh. The model math runs unchanged
 in the global view, and XLA's SPMD partitioner adds the all-reduces after the row-parallel
 o/down projections and around the vocabulary-sharded embedding and LM head. Attention and
-selection run inside `jax.shard_map` over KV heads (`decode_attention`, `prefill_attention`,
-`prior_attention`): every device runs the same Pallas kernels on its heads, and only the rules
-that cross heads communicate. A "data" axis runs the whole program per data shard (`spmd`: a
+selection run inside `jax.shard_map` over KV heads (`sparsejax.sharded_attention`): every
+device runs the same Pallas kernels on its heads, and only the rules that cross heads
+communicate. A "data" axis runs the whole program per data shard (`spmd`: a
 shard_map over "data" that leaves "model" to the partitioner), so each shard's rows and cache
 pages stay local.
 
@@ -21,7 +21,6 @@ docs/architecture.md.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Callable
 
@@ -29,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from sparsejax.cache import PagedKVCache, replicate_kv_heads
+from sparsejax import cache
+from sparsejax.cache import PagedKVCache
 from sparsejax.models import Model, ModelConfig, split_layer
-from sparsejax.plan import Attended, Role, Selection, attended_head_map
 
 MODEL, DATA = "model", "data"
 
@@ -63,7 +62,7 @@ CACHE_AXES = {
     "length": (None, "batch"),
 }
 # How each method-state leaf is indexed by head (axis 2 of its stacked [L, ...] array).
-_STATE_HEADS = {"kmin": "cache", "kmax": "cache", "mu_k": "kv", "mu_q": "query", "lse": "query",
+STATE_HEADS = {"kmin": "cache", "kmax": "cache", "mu_k": "kv", "mu_q": "query", "lse": "query",
                 "o_est": "query", "length": None}
 
 
@@ -129,7 +128,7 @@ def partition_spec(axes: tuple, rules: dict) -> P:
     return P(*(rules.get(a) for a in axes))
 
 
-def _leaf_name(path) -> str:
+def leaf_name(path) -> str:
     key = path[-1]
     return str(getattr(key, "key", getattr(key, "name", key)))
 
@@ -137,7 +136,7 @@ def _leaf_name(path) -> str:
 def _specs(tree, table: dict, rules: dict, lead: tuple = ()):
     """The pytree of PartitionSpecs for `tree`, each leaf looked up by its name in `table`."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: partition_spec(lead + table[_leaf_name(path)], rules), tree)
+        lambda path, _: partition_spec(lead + table[leaf_name(path)], rules), tree)
 
 
 def param_specs(params: dict, config: ModelConfig, mesh) -> dict:
@@ -191,7 +190,7 @@ def _explicit(mesh) -> bool:
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def _current(mesh):
+def current_mesh(mesh):
     """The mesh to name inside a trace: the context's (set by `spmd`) or `mesh` itself."""
     context = jax.sharding.get_abstract_mesh()
     return mesh if context.empty else context
@@ -227,7 +226,7 @@ def spmd(fn: Callable, mesh: Mesh, args: tuple, out_specs):
         if DATA not in mesh.axis_names:
             return fn(*args)
         in_specs = tuple(_data_specs(a) for a in args)
-        per_shard = jax.shard_map(_local_pages(fn), mesh=_current(mesh), in_specs=in_specs,
+        per_shard = jax.shard_map(_local_pages(fn), mesh=current_mesh(mesh), in_specs=in_specs,
                                   out_specs=jax.tree.map(lambda s: _without(s, MODEL),
                                                          out_specs, is_leaf=_is_spec),
                                   axis_names={DATA}, check_vma=False)
@@ -243,7 +242,7 @@ def constrain(tree, specs, mesh: Mesh):
     """Place `tree` by `specs` inside `spmd` (the data axis, if any, is already manual): a
     sharding constraint on auto axes, a reshard on explicit ones (tracing outside
     `auto_axes`, as `jax.eval_shape` of a per-shard program does)."""
-    current = _current(mesh)
+    current = current_mesh(mesh)
     manual = {n for n, t in zip(current.axis_names, current.axis_types) if t == AxisType.Manual}
     specs = jax.tree.map(lambda s: P(*(None if a in manual else a for a in s)), specs,
                          is_leaf=_is_spec)
@@ -280,203 +279,15 @@ def _local_pages(fn):
     return run
 
 
-def allocate(make: Callable[[], PagedKVCache], config: ModelConfig, mesh: Mesh) -> PagedKVCache:
-    """The empty cache `make()` laid out for `mesh`, created in place on its devices."""
+def allocate(config: ModelConfig, batch: int, capacity: int, *, mesh=None,
+             **kwargs) -> PagedKVCache:
+    """`sparsejax.cache.allocate`, laid out for tensor parallelism on `mesh` when one is given:
+    created in place on its devices, each KV head stored `kv_copies` times when the mesh has
+    more model ranks than KV heads."""
+    if mesh is None:
+        return cache.allocate(config, batch, capacity, **kwargs)
+    check_mesh(mesh, config, batch)
+    make = lambda: cache.allocate(config, batch, capacity,  # noqa: E731
+                                  kv_copies=kv_copies(config, mesh), **kwargs)
     specs = cache_specs(jax.eval_shape(make), config, mesh)
     return jax.jit(make, out_shardings=_named(specs, mesh))()
-
-
-# ---- attention per device ------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class HeadShards:
-    """Set on a selector inside `decode_attention`: this device holds a slice of the heads, and
-    `copies` consecutive devices hold each KV head. The two cross-head score rules use it."""
-    axis: str
-    copies: int
-
-    def max(self, x: jax.Array) -> jax.Array:
-        return jax.lax.pmax(x, self.axis)
-
-    def sum(self, x: jax.Array) -> jax.Array:
-        """Sum over every KV head, counting each replicated KV head once."""
-        primary = jax.lax.axis_index(self.axis) % self.copies == 0
-        return jax.lax.psum(jnp.where(primary, x, jnp.zeros_like(x)), self.axis)
-
-
-class _Heads:
-    """Moving head-indexed arrays between the global view and the devices' layout, for a cache
-    holding each of the config's KV heads `copies` times."""
-
-    def __init__(self, config: ModelConfig, copies: int):
-        self.kv, self.q, self.copies = config.num_kv_heads, config.num_heads, copies
-
-    def per_kv(self, x, axis=1):        # [..., HK, ...] -> [..., HK * copies, ...]
-        return replicate_kv_heads(x, self.kv * self.copies, axis)
-
-    def per_q(self, x, axis=1):         # [..., HQ, ...] -> each KV head copy with its group
-        shape = x.shape
-        x = x.reshape(shape[:axis] + (self.kv, self.q // self.kv) + shape[axis + 1:])
-        return self.per_kv(x, axis).reshape(shape[:axis] + (-1,) + shape[axis + 1:])
-
-    def own_q(self, x, axis=1):         # on a device: its KV head's group -> its own share
-        if self.copies == 1:
-            return x
-        share = x.shape[axis] // self.copies
-        return jax.lax.dynamic_slice_in_dim(
-            x, jax.lax.axis_index(MODEL) % self.copies * share, share, axis=axis)
-
-    def gather_kv(self, x, axis=1):     # on a device: [.., 1, ..] -> [.., HK, ..] everywhere
-        return jax.lax.all_gather(x, MODEL, axis=axis, tiled=True).take(
-            jnp.arange(0, self.kv * self.copies, self.copies), axis=axis)
-
-
-def _heads_spec(axis: int) -> P:
-    return P(*(None,) * axis, MODEL)
-
-
-def _on_devices(local: Callable, mesh, args: tuple, in_specs: tuple, out_specs):
-    return jax.shard_map(local, mesh=_current(mesh), in_specs=in_specs, out_specs=out_specs,
-                         axis_names={MODEL}, check_vma=False)(*args)
-
-
-def _selection_routes(heads: _Heads, groups: str | None, axis: int):
-    """(to the devices' layout, from a device's own result, spec of the result) of a carried
-    selection whose group axis is `axis`: per KV head, per query head or shared."""
-    spec = _heads_spec(axis)
-    if groups == "kv":
-        if heads.copies > 1:
-            return (functools.partial(heads.per_kv, axis=axis),
-                    functools.partial(heads.gather_kv, axis=axis), P())
-        return functools.partial(heads.per_kv, axis=axis), None, spec
-    if groups == "query":
-        return (functools.partial(heads.per_q, axis=axis), functools.partial(heads.own_q, axis=axis),
-                spec)
-    return None, None, P()
-
-
-def decode_attention(attend: Callable, mesh) -> Callable:
-    """`attend(role, plan, config, at, sel)` (the decode step's per-layer attention) run inside
-    `jax.shard_map` over the KV heads of "model": each device attends with its query heads over
-    its KV heads.
-
-    In the global view the wrapper lays the head-indexed inputs out per device (the cache is
-    already laid out so), gives each device a local config / plan / layer context of its own
-    heads, and each device hands back the model's heads it owns in the Megatron layout, so
-    nothing moves before the row-parallel o-projection. Selections per query head, and per KV
-    head when the KV heads divide over the ranks, stay sharded (a head map that reads another
-    device's set is gathered by the partitioner); with replicated KV heads the per-KV-head
-    selections are all-gathered; shared selections are computed identically on every device
-    from scores reduced across devices (`HeadShards`). On a "model" axis of size 1 there is
-    nothing to split: `attend` runs as it is (so a 1-device mesh costs what no mesh does).
-    """
-    if model_size(mesh) == 1:
-        return attend
-
-    def run(role, plan, config, at, sel):
-        copies = at.k_pages.shape[1] // config.num_kv_heads
-        heads = _Heads(config, copies)
-        s = plan.selector
-        to_device, from_local, sel_out = _selection_routes(
-            heads, None if s is None else s.groups, axis=1)
-        sel_in = sel
-        if role == Role.REUSE and s.groups == "kv":
-            # the head map, read in the global view: the partitioner gathers what it needs
-            head_map = at.step.head_map[at.layer]
-            sel_in = Selection(indices=sel.indices[:, head_map], count=sel.count[:, head_map])
-        if to_device is not None:
-            sel_in = jax.tree.map(to_device, sel_in)
-        state_in = None if at.state is None else jax.tree_util.tree_map_with_path(
-            lambda path, x: _state_to_device(_leaf_name(path), x[at.layer][None], heads),
-            at.state)
-        retrieval = heads.per_kv(at.step.retrieval[at.layer][None])          # [1, HK * copies]
-        step = at.step._replace(head_map=None, retrieval=None, capacity=None)   # static: closed over
-        spec = _heads_spec(1)
-
-        def local(q, k_pages, v_pages, table, step, retrieval, state, sel):
-            hk = k_pages.shape[1]
-            local_config = dataclasses.replace(config, num_heads=q.shape[1], num_kv_heads=hk)
-            local_plan = plan if s is None else dataclasses.replace(
-                plan, selector=dataclasses.replace(s, head_shards=HeadShards(MODEL, copies)))
-            step = step._replace(retrieval=retrieval, capacity=at.step.capacity,
-                                 head_map=jnp.arange(hk, dtype=jnp.int32)[None])
-            # a traced layer index: the static per-layer paths read the global plan's tables
-            local_at = at._replace(step=step, layer=jnp.zeros((), jnp.int32), q=q,
-                                   k_pages=k_pages, v_pages=v_pages, table=table, state=state)
-            out, new_sel, _ = attend(role, local_plan, local_config, local_at, sel)
-            if from_local is not None:
-                new_sel = jax.tree.map(from_local, new_sel)
-            return heads.own_q(out), new_sel
-
-        state_specs = None if state_in is None else jax.tree_util.tree_map_with_path(
-            lambda path, _: _heads_spec(2) if _STATE_HEADS[_leaf_name(path)] else P(), state_in)
-        out, new_sel = _on_devices(
-            local, mesh,
-            (heads.per_q(at.q), at.k_pages, at.v_pages, at.table, step, retrieval, state_in,
-             sel_in),
-            (spec, spec, spec, P(), P(), spec, state_specs, P() if to_device is None else spec),
-            (spec, sel_out))
-        # reuse carries the selection on unchanged (the head-mapped one was this layer's only)
-        carried = sel if role == Role.REUSE else new_sel
-        if role in (Role.DENSE, Role.SELECT):
-            return out, carried, None
-        # what the heads attended to, in the global view (for diagnostics)
-        attended = Attended(carried, attended_head_map(role, s, at.step.head_map[at.layer]),
-                            at.step.retrieval[at.layer] if role == Role.HYBRID else None)
-        return out, carried, attended
-
-    return run
-
-
-def _state_to_device(name: str, x: jax.Array, heads: _Heads) -> jax.Array:
-    """One layer's method-state leaf [1, ...] (head axis 2) in the devices' layout."""
-    kind = _STATE_HEADS[name]
-    if kind == "kv":
-        return heads.per_kv(x, axis=2)
-    if kind == "query":
-        return heads.per_q(x, axis=2)
-    return x           # per cache head (already laid out like the cache) or headless
-
-
-def prefill_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
-    """`attend(q, k_pages, v_pages, sel, *args) -> (out, new_sel)` of several query tokens per
-    row (q [B, C, HQ, D]; sel and new_sel per tile and KV head [B, tiles, HK, k], or None; args
-    replicated) inside `jax.shard_map` over the KV heads of "model", laid out as in
-    `decode_attention`."""
-    if model_size(mesh) == 1:
-        return attend
-
-    def run(q, k_pages, v_pages, sel, *args):
-        heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
-        to_device, from_local, sel_out = _selection_routes(heads, "kv", axis=2)
-        spec = _heads_spec(1)
-
-        def local(q, k_pages, v_pages, sel, *args):
-            out, new_sel = attend(q, k_pages, v_pages, sel, *args)
-            if new_sel is not None and from_local is not None:
-                new_sel = jax.tree.map(from_local, new_sel)
-            return heads.own_q(out, axis=2), new_sel
-
-        sel_in = None if sel is None else jax.tree.map(to_device, sel)
-        return _on_devices(local, mesh, (heads.per_q(q, axis=2), k_pages, v_pages, sel_in) + args,
-                           (_heads_spec(2), spec, spec, _heads_spec(2)) + (P(),) * len(args),
-                           (_heads_spec(2), sel_out))
-    return run
-
-
-def prior_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
-    """`attend(q, k_pages, v_pages, *args) -> (lse, out)` of one query per row and head (q
-    [B, HQ, D], lse [B, HQ], out [B, HQ, D]; args replicated) inside `jax.shard_map` over the
-    KV heads of "model" (RESA's prior over the cache)."""
-    if model_size(mesh) == 1:
-        return attend
-
-    def run(q, k_pages, v_pages, *args):
-        heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
-        spec = _heads_spec(1)
-
-        def local(q, k_pages, v_pages, *args):
-            return jax.tree.map(heads.own_q, attend(q, k_pages, v_pages, *args))
-
-        return _on_devices(local, mesh, (heads.per_q(q), k_pages, v_pages) + args,
-                           (spec, spec, spec) + (P(),) * len(args), (spec, spec))
-    return run

@@ -200,8 +200,8 @@ def layout_checks(results: dict) -> None:
 
     def run(mesh):
         params = m if mesh is None else sparsejax.shard(m, mesh)
-        cache = kv.allocate(m.config, len(LENGTHS), capacity, page_size=plan.page_size,
-                            dtype=jnp.float32, mesh=mesh)
+        cache = sparsejax.allocate(m.config, len(LENGTHS), capacity, page_size=plan.page_size,
+                                   dtype=jnp.float32, mesh=mesh)
         pre = jax.jit(lambda mo, c, i, n: sparsejax.prefill(mo, c, i, n, plan, mesh=mesh))
         step = jax.jit(lambda mo, c, t: sparsejax.decode_step(mo, c, t, plan, mesh=mesh))
         logits, cache = pre(params, cache, jnp.asarray(ids), jnp.asarray(LENGTHS))
@@ -253,7 +253,7 @@ def eager_checks(results: dict) -> None:
     def run(mesh, chunk):
         params = m if mesh is None else sparsejax.shard(m, mesh)
         cache = kv.allocate(m.config, len(LENGTHS), int(LENGTHS.max()) + 1, page_size=8,
-                            dtype=jnp.float32, mesh=mesh)
+                                   dtype=jnp.float32, mesh=mesh)
         logits, cache = sparsejax.prefill(params, cache, ids, jnp.asarray(LENGTHS), plan,
                                           chunk=chunk)
         step, _ = sparsejax.decode_step(params, cache, jnp.argmax(logits, -1), plan)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import sparsejax
-from sparsejax import cli, demo, eval as evaluation, methods as M
+from sparsejax import cli, demo, evaluation, methods as M
 from sparsejax.files import write_atomic
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -226,7 +226,7 @@ before = list(warnings.filters)
 import matplotlib
 backend = matplotlib.get_backend()
 import sparsejax
-from sparsejax import eval as evaluation
+from sparsejax import evaluation
 added = [f for f in warnings.filters if f not in before and "riton" in str(f[1])]
 assert not added, added
 doc = {{"model": None, "tasks": ["niah"], "context": 8, "results": [

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import sparsejax
-from sparsejax import eval as evaluation
+from sparsejax import evaluation
 from sparsejax import methods as M
 from sparsejax.models import Model, ModelConfig, init_params
 from sparsejax.train import data

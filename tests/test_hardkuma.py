@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsejax.train import hardkuma as hk
+from sparsejax import hardkuma as hk
 
 PARAMS = [(0.5, 0.5), (0.3, 2.0), (2.0, 0.5), (1.0, 1.0), (3.0, 5.0), (0.8, 1.5)]
 SAMPLES = 100_000

@@ -26,7 +26,7 @@ import numpy as np
 
 from sparsejax import sharding
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
-from sparsejax.cache import allocate, layer_page_ids, layer_pages
+from sparsejax.cache import layer_page_ids, layer_pages
 from sparsejax.files import check_writable
 from sparsejax.generate import decode_step, prefill
 from sparsejax.models import Model
@@ -94,7 +94,7 @@ def _measure_decoding(model: Model, prompts, lengths, *, decode_steps: int, batc
             # A short last batch is filled with copies of its first prompt (dropped below), so
             # every batch has one shape and the step compiles once.
             pick = np.concatenate([np.arange(start, start + rows), np.full(B - rows, start)])
-            cache = allocate(model.config, B, T + decode_steps, dtype=model.dtype,
+            cache = sharding.allocate(model.config, B, T + decode_steps, dtype=model.dtype,
                              mesh=model.mesh)
             tokens, cache = _prefill(model, cache, prompts[pick], lengths[pick])
             steps = []
@@ -379,7 +379,7 @@ def plot_layer_similarity(layer_sim, importance, anchors, path, *, title: str = 
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    from sparsejax.cli import positive_int
+    from sparsejax.arguments import positive_int
     from sparsejax.train.data import TASKS
 
     p = sub.add_parser("calibrate", help="DELTA layer-shift probe / Kascade anchor DP",

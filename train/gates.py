@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sparsejax import artifacts, selection, sharding
+from sparsejax import artifacts, hardkuma, selection, sharding
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
                               stack_layers, unembed)
@@ -30,7 +30,7 @@ from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Budget, SparsePlan
 
-from . import checkpoints, hardkuma
+from . import checkpoints
 from .passkey import GateBatch, PasskeyData
 
 LOSSES = ("logits", "hidden")
@@ -389,7 +389,7 @@ def save_gates(state: GateState, path: str | Path) -> Path:
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from sparsejax.cli import positive_int, ratio
+    from sparsejax.arguments import positive_int, ratio
 
     p = subparsers.add_parser("train-gates", help="train LycheeDecode's HardKuma head gates",
                               description="Train LycheeDecode's retrieval-head gates for a model "

@@ -667,7 +667,7 @@ def plot_curve(log: dict, path: Path) -> None:
 
 # ---- command line ---------------------------------------------------------------------------
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from sparsejax.cli import positive_int
+    from sparsejax.arguments import positive_int
 
     p = subparsers.add_parser("pretrain", help="train a small retrieval model from scratch",
                               description="Train a small Llama from scratch on the synthetic "

@@ -12,7 +12,7 @@ addressed with `cache.layer_page_ids`, so kernels read the stacked cache in plac
 each step's token is written with one in-place update per layer.
 
 A model placed on a mesh (`sparsejax.shard`) runs each layer's attention and selection per
-device over its KV heads (`sharding.decode_attention`); the rest is the partitioner's.
+device over its KV heads (`sharded_attention.decode_attention`); the rest is the partitioner's.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsejax import resa, selection, sharding
+from sparsejax import resa, selection, sharded_attention
 from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
                              token_address, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
@@ -119,7 +119,7 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
         state = selection.update_state(plan, state, layer, ctx, k, v)
     table = layer_page_ids(ctx.page_table, layer, num_pages)
     at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state)
-    attend = _attend if model.mesh is None else sharding.decode_attention(_attend, model.mesh)
+    attend = _attend if model.mesh is None else sharded_attention.decode_attention(_attend, model.mesh)
     with jax.named_scope(f"attention_{role.name.lower()}"):
         out, sel, attended = attend(role, plan, c, at, carry.sel)
     h = finish_layer(c, lp, carry.h, out)
