@@ -69,10 +69,10 @@ def place(model, mesh):
 def random_cache(config, plan, batch, context, mesh, key):
     """`context` random tokens per row in a cache of context + EXTRA_STEPS, created where the
     mesh lays it out (the methods timed here keep no per-layer state)."""
-    from sparsejax import cache as kv
+    from sparsejax import sharding
 
-    cache = kv.allocate(config, batch, context + EXTRA_STEPS, page_size=plan.page_size,
-                        dtype=jnp.bfloat16, mesh=mesh)
+    cache = sharding.allocate(config, batch, context + EXTRA_STEPS, page_size=plan.page_size,
+                              dtype=jnp.bfloat16, mesh=mesh)
 
     def fill(c, key):
         kk, kv_ = jax.random.split(key)

@@ -252,7 +252,7 @@ def eager_checks(results: dict) -> None:
 
     def run(mesh, chunk):
         params = m if mesh is None else sparsejax.shard(m, mesh)
-        cache = kv.allocate(m.config, len(LENGTHS), int(LENGTHS.max()) + 1, page_size=8,
+        cache = sparsejax.allocate(m.config, len(LENGTHS), int(LENGTHS.max()) + 1, page_size=8,
                                    dtype=jnp.float32, mesh=mesh)
         logits, cache = sparsejax.prefill(params, cache, ids, jnp.asarray(LENGTHS), plan,
                                           chunk=chunk)
