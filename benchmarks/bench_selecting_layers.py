@@ -11,7 +11,7 @@ Llama-3.1-8B layer shapes (32 query / 8 KV heads, d=128), bf16, page 16, B=64, c
               64 pages), lychee (every KV head a retrieval head, 10%), tidal (10%, per query head)
               Kascade's halves at the first ratio carry their ms per kernel (kernels_ms,
               from the profiler): where the anchor's time goes. Lychee and Tidal hand the
-              top-k the kernel's unpooled logits (`pools_in_topk`), pooled as they are read;
+              top-k the kernel's unpooled logits (`selection.score_route(...).topk_pools`), pooled as they are read;
               <role>_pooled_epilogue is the same layer with the pooled scores written by an
               epilogue and read back by the top-k. Kascade keeps the epilogue;
               kascade_pooled_in_topk is its layer the other way.
@@ -53,8 +53,7 @@ from sparsejax import methods as M  # noqa: E402
 from sparsejax.models import ModelConfig  # noqa: E402
 from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
-from sparsejax.selection import (kernel_scores, pools_in_topk, scores_pass,  # noqa: E402
-                                 select, topk_can_pool)
+from sparsejax.selection import score_route, scores_pass, select  # noqa: E402
 
 LAYER = MODELS["llama-8b"]
 FULL = dict(layer=LAYER, page_size=16, batch=64, contexts=(8192, 16384, 32768, 65536, 131072),
@@ -113,8 +112,8 @@ def cudnn_ms(shape, context, smoke):
 
 def scores_of(q, k, v, table, lengths, *, plan, values=True, pool_scores=None):
     """The dense kernel with the role's scores, as the library asks for them
-    (`kernel_scores`); pool_scores overrides whether they come back pooled."""
-    request = kernel_scores(plan.selector)
+    (`score_route(...).kernel_args()`); pool_scores overrides whether they come back pooled."""
+    request = score_route(plan.selector).kernel_args()
     if pool_scores is not None:
         request.update(pool_scores=pool_scores)
     return paged_decode_attention(q, k, v, table, lengths, values=values, **request)
@@ -170,8 +169,8 @@ def context_rows(cfg, rows, batch, context, smoke):
             scores = scoring(*args).scores
             times = {name: time(layer, *args), f"{name}_scores": time(scoring, *args),
                      f"{name}_select": time(selecting, scores, args[4])}
-            if topk_can_pool(plan.selector):  # the same layer, pooled the other way
-                fused = pools_in_topk(plan.selector)
+            if score_route(plan.selector).rows_poolable:  # the same layer, pooled the other way
+                fused = score_route(plan.selector).topk_pools
                 times[f"{name}_pooled_{'epilogue' if fused else 'in_topk'}"] = time(
                     jax.jit(functools.partial(selecting_layer, plan=plan, config=config,
                                               pool_scores=fused)), *args)

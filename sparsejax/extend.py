@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import cache as kv
-from sparsejax import resa, selection, sharded_attention
+from sparsejax import method_state, resa, selection, sharded_attention
 from sparsejax.models import Model, attention_inputs, embed, finish_layer, layer_params, unembed
 from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
 from sparsejax.plan import Role, Selection, SparsePlan
@@ -78,7 +78,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         sel = sel if selected is None else selected
         h = finish_layer(c, lp, h, out)
         if state is not None and state.kmin is not None:
-            state = selection.refresh_page_bounds(state, layer, k_flat, offset,
+            state = method_state.refresh_page_bounds(state, layer, k_flat, offset,
                                                   cache.page_table, start, filled, C)
         if sums:
             weight = valid.astype(jnp.float32)
@@ -147,7 +147,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
     lengths = lengths.astype(jnp.int32)
     resa_prior = plan.residual is not None
     if plan.selector is not None and plan.selector.score == "quest_bound":
-        cache = cache.replace(state=selection.empty_page_bounds(cache))
+        cache = cache.replace(state=method_state.empty_page_bounds(cache))
     c = model.config
     last = jnp.zeros((B, c.hidden_size), model.dtype)
     sums = (jnp.zeros((c.num_layers, B, c.num_heads, c.head_dim), jnp.float32),

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparsejax import cache as kv
-from sparsejax import selection, sharding, speculative
+from sparsejax import method_state, sharding, speculative
 from sparsejax.extend import chunked_prefill, correct
 from sparsejax.models import Model, embed, forward, token_ids, unembed
 from sparsejax.plan import SparsePlan, as_plan
@@ -425,7 +425,7 @@ def speculative_round(model: Model, cache: kv.PagedKVCache, last: jax.Array, lim
                & (jnp.arange(gamma + 1)[None, :] < kept[:, None]))
         kept = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) + 1, kept)
     cache = cache.replace(lengths=start + kept)
-    cache = cache.replace(state=selection.settle_state(plan, cache, prior_before, start, kept,
+    cache = cache.replace(state=method_state.settle_state(plan, cache, prior_before, start, kept,
                                                        gamma + 1))
     return tokens, accepted, kept, cache
 

@@ -17,13 +17,13 @@ device over its KV heads (`sharded_attention.decode_attention`); the rest is the
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsejax import resa, selection, sharded_attention
+from sparsejax import method_state, resa, selection, sharded_attention
 from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
                              token_address, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
@@ -63,6 +63,8 @@ class LayerContext(NamedTuple):
     v_pages: jax.Array
     table: jax.Array        # [B, max_pages] this layer's pages (`cache.layer_page_ids`)
     state: MethodState | None
+    static_layer: int | None = None   # the layer's index where it is known at trace time
+    head_shards: Any = None  # `sharded_attention.HeadShards` inside its shard_map, else None
 
 
 def _tables(plan: SparsePlan, config):
@@ -91,13 +93,13 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
     diags = []
     if is_stacked(model.params):
         for role, start, stop in plan.segments():
-            body = functools.partial(layer_fn, role=role)
+            body = functools.partial(layer_fn, role=role, static_layer=None)
             carry, diag = jax.lax.scan(body, carry, jnp.arange(start, stop, dtype=jnp.int32))
             diags.append(diag)
         join = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
     else:
         for layer, role in enumerate(plan.roles):
-            carry, diag = layer_fn(carry, layer, role=role)
+            carry, diag = layer_fn(carry, layer, role=role, static_layer=layer)
             diags.append(diag)
         join = lambda *xs: jnp.stack(xs)  # noqa: E731
     diag = jax.tree.map(join, *diags) if diagnostics else None
@@ -106,8 +108,8 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
     return carry.h, cache, diag
 
 
-def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, role: Role,
-           ctx: StepContext, num_pages: int, diagnostics: bool):
+def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePlan, role: Role,
+           static_layer: int | None, ctx: StepContext, num_pages: int, diagnostics: bool):
     c = model.config
     lp = layer_params(model.params, layer)
     with jax.named_scope("qkv"):
@@ -116,9 +118,9 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
                                  ctx.slots, k, v)
     state = carry.state
     if plan.selector is not None:
-        state = selection.update_state(plan, state, layer, ctx, k, v)
+        state = method_state.update_state(plan, state, layer, ctx, k, v)
     table = layer_page_ids(ctx.page_table, layer, num_pages)
-    at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state)
+    at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state, static_layer)
     attend = _attend if model.mesh is None else sharded_attention.decode_attention(_attend, model.mesh)
     with jax.named_scope(f"attention_{role.name.lower()}"):
         out, sel, attended = attend(role, plan, c, at, carry.sel)
@@ -144,34 +146,36 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     lengths, capacity = at.step.lengths, at.step.capacity
     if role == Role.DENSE:
         return _dense(at).out, sel, None
+    route = selection.score_route(s, sharded=at.head_shards is not None)
+    select = functools.partial(selection.select, plan, config, lengths=lengths,
+                               capacity=capacity, head_shards=at.head_shards)
     if role == Role.SELECT:
-        r = _dense(at, **selection.kernel_scores(s))
-        return r.out, selection.select(plan, config, r.scores, lengths, capacity), None
+        r = _dense(at, **route.kernel_args())
+        return r.out, select(r.scores), None
     head_map = attended_head_map(role, s, at.step.head_map[at.layer])
     dense_heads = None
     dense_out = None
     logits = None
     if role == Role.SELF:
         scores, logits = selection.pre_attention_scores(plan, at)
-        sel = selection.select(plan, config, scores, lengths, capacity)
+        sel = select(scores)
     elif role == Role.HYBRID:
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        static = isinstance(at.layer, int)
+        static = at.static_layer is not None
         # a static mask also sizes the kernel's splits for the few heads it computes
-        r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.layer], bool) if static
-                   else dense_heads, **selection.kernel_scores(s))
+        r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.static_layer], bool) if static
+                   else dense_heads, **route.kernel_args())
         if static:
             # The retrieval heads are static here: select for their rows only (the top-k then
             # reads 1/HK of the rows when one head in HK retrieves, as is typical).
-            heads = [h for h, is_retrieval in enumerate(plan.retrieval[at.layer]) if is_retrieval]
-            fresh = selection.select(plan, config, selection.take_groups(r.scores, heads),
-                                     lengths, capacity, groups=len(heads))
+            heads = [h for h, retrieves in enumerate(plan.retrieval[at.static_layer]) if retrieves]
+            fresh = select(selection.take_groups(r.scores, heads), groups=len(heads))
             sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
                             count=sel.count.at[:, heads].set(fresh.count))
         else:
-            fresh = selection.select(plan, config, r.scores, lengths, capacity)
+            fresh = select(r.scores)
             sel = Selection(
                 indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
                 count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
@@ -237,4 +241,4 @@ def prefill_state(model: Model, cache: PagedKVCache, out: ForwardOutput, plan: S
     """Per-layer method state computed once from the prompt (RESA priors, Quest page bounds)."""
     if plan.selector is None:
         return None
-    return selection.init_state(model, cache, out, plan)
+    return method_state.init_state(model, cache, out, plan)

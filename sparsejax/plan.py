@@ -82,8 +82,6 @@ class Selector:
     unit: tokens per selected index — 1, the page size, or a multiple of it (blocks).
     groups: "shared" (one set for all heads), "kv" (per KV head), "query" (per query head).
     sinks / recent: tokens always kept at the start / end of the context (rounded up to units).
-    head_shards: set by `sparsejax.sharding` inside its shard_map only: the scores that pool
-      over every head (MAX_HEADS, ALL_HEADS_SUM) then reduce across devices.
     """
     score: Score
     unit: int
@@ -91,7 +89,6 @@ class Selector:
     budget: Budget
     sinks: int = 0
     recent: int = 0
-    head_shards: Any = None
 
     def __post_init__(self):
         if self.score not in tuple(Score):

@@ -1,18 +1,18 @@
 """Selecting: kernel scores -> per-unit scores per group -> budget -> top-k -> Selection.
 
-Also the per-layer method state that selectors keep in the cache (Quest's page key bounds) and
-its updates. Every select step ends in `pallas_kernels.topk_select`.
+`score_route` decides once per selector how its scores travel from the dense kernel to the
+top-k. Every select step ends in `pallas_kernels.topk_select`. The per-layer state some
+selectors keep in the cache lives in `sparsejax.method_state`.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from sparsejax import resa
-from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
-                             replicate_kv_heads, token_address)
-from sparsejax.models import Model, ModelConfig
-from sparsejax.models.decoder import ForwardOutput
+from sparsejax.cache import layer_page_ids
+from sparsejax.models import ModelConfig
 from sparsejax.pallas_kernels.common import group_of_head
 from sparsejax.pallas_kernels import (LogitRows, fixed_budget, paged_decode_attention,
                                       pool_logit_rows, quest_page_bound, ratio_budget,
@@ -20,39 +20,44 @@ from sparsejax.pallas_kernels import (LogitRows, fixed_budget, paged_decode_atte
 from sparsejax.plan import Score, Selection, Selector, SparsePlan
 
 
-def kernel_score(s: Selector) -> Score:
-    """The dense kernel's score mode a selecting layer asks for (the pooled Kascade rule sums
-    the kernel's per-group sums). With heads spread over devices, DELTA's per-token max over
-    all heads must cross devices before the page sums: the kernel hands back probabilities."""
-    if s.score == Score.MAX_HEADS and s.head_shards is not None:
-        return Score.HEAD_PROBS
-    return Score.GROUP_SUM if s.score == Score.ALL_HEADS_SUM else s.score
+class ScoreRoute(NamedTuple):
+    """How a selecting layer's scores travel from the dense kernel to the top-k, decided once
+    per (selector, placement) by `score_route`.
+
+    kernel_score: the score mode the dense kernel computes (Kascade's pooled rule sums the
+      kernel's per-group sums; on a mesh DELTA's max over every head must cross devices
+      before the page sums, so the kernel hands back probabilities).
+    rows_poolable: `select` may hand the top-k unpooled logits (`LogitRows`), pooled as they
+      are read: per-token scores of one group under a budget that does not read the scores.
+    topk_pools: the layer asks the kernel for unpooled logits and lets the top-k pool them:
+      where one head's logit makes each score (Lychee, Tidal), whose float16 rows also load
+      in half the bytes. Kascade's group sums keep the kernel's epilogue: the top-k would
+      redo a G-head pooling on every read of a row (docs/tuning.md).
+    """
+    kernel_score: Score
+    rows_poolable: bool
+    topk_pools: bool
+
+    @property
+    def pool_scores(self) -> bool:
+        """The kernel pools its scores in its epilogue (`paged_decode_attention`'s argument)."""
+        return not self.topk_pools
+
+    def kernel_args(self) -> dict:
+        """`paged_decode_attention`'s score arguments."""
+        return dict(score=self.kernel_score, pool_scores=self.pool_scores)
 
 
-def topk_can_pool(s: Selector) -> bool:
-    """Whether `select` can hand the top-k the dense kernel's unpooled logits (`LogitRows`),
-    pooled as they are read: per-token scores of one group (Kascade's group sums, Lychee's
-    mean-query logits, Tidal's per-head probabilities) under a budget that does not read
-    the scores."""
-    return (s.unit == 1 and s.head_shards is None and s.budget.kind in ("fixed", "ratio")
-            and s.score in (Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS))
-
-
-def pools_in_topk(s: Selector) -> bool:
-    """Whether a selecting layer asks the kernel for unpooled scores (`pool_scores=False`)
-    instead of pooled ones written by an epilogue and read back: where one head's logit
-    makes each score (Lychee, Tidal), whose float16 rows also load in half the bytes.
-    Kascade's group sums keep the epilogue: the top-k recomputes a G-head pooling on every
-    read of a row, so it only wins where the row is read once (H200, B=64: anchor layer
-    1.126x dense against 1.133x at 32k, resident rows; 1.20x against 1.13x at 16k and 1.25x
-    against 1.21x at 64k, re-read rows)."""
-    return topk_can_pool(s) and s.score != Score.GROUP_SUM
-
-
-def kernel_scores(s: Selector) -> dict:
-    """What a selecting layer asks of the dense kernel: `paged_decode_attention`'s score and
-    pool_scores arguments."""
-    return dict(score=kernel_score(s), pool_scores=not pools_in_topk(s))
+def score_route(s: Selector, sharded: bool = False) -> ScoreRoute:
+    """The route of `s`'s scores; `sharded`: its layer's heads are spread over devices."""
+    score = s.score
+    if score == Score.MAX_HEADS and sharded:
+        score = Score.HEAD_PROBS
+    elif score == Score.ALL_HEADS_SUM:
+        score = Score.GROUP_SUM
+    rows_poolable = (s.unit == 1 and not sharded and s.budget.kind in ("fixed", "ratio")
+                     and s.score in (Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS))
+    return ScoreRoute(score, rows_poolable, rows_poolable and s.score != Score.GROUP_SUM)
 
 
 def take_groups(scores, groups):
@@ -101,14 +106,18 @@ def _pool(scores: jax.Array, factor: int, logits: bool) -> jax.Array:
     return jnp.where(jnp.any(finite, axis=-1), total, -jnp.inf)
 
 
-def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Array) -> jax.Array:
-    """Kernel scores -> [B, G, units] for the selector's unit and groups."""
+def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Array,
+                head_shards=None) -> jax.Array:
+    """Kernel scores -> [B, G, units] for the selector's unit and groups. `head_shards`
+    (`sharded_attention.HeadShards`, inside its shard_map only): this device holds a slice of
+    the heads, and the rules that pool over every head (MAX_HEADS, ALL_HEADS_SUM) reduce
+    across devices."""
     B = lengths.shape[0]
     if s.score == Score.NONE:
         return jnp.zeros((B, 1, 1), jnp.float32)
     if s.score == Score.MAX_HEADS:         # [B, pages] page sums
-        if s.head_shards is not None:      # [B, HQ on this device, T] probabilities
-            per_token = s.head_shards.max(jnp.max(scores, axis=1))
+        if head_shards is not None:        # [B, HQ on this device, T] probabilities
+            per_token = head_shards.max(jnp.max(scores, axis=1))
             scores = _pool(per_token, page_size, logits=False)
         return _pool(scores[:, None], s.unit // page_size, logits=False)
     if s.score == Score.QUEST_BOUND:       # [B, HQ, pages]
@@ -116,16 +125,18 @@ def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Arr
     if s.score == Score.ALL_HEADS_SUM:     # [B, HK, T] -> one shared row
         finite = jnp.isfinite(scores)
         total = jnp.sum(jnp.where(finite, scores, 0.0), axis=1)
-        if s.head_shards is not None:
-            total = s.head_shards.sum(total)
+        if head_shards is not None:
+            total = head_shards.sum(total)
         scores = jnp.where(jnp.any(finite, axis=1), total, -jnp.inf)[:, None]
     return _pool(scores, s.unit, logits=s.score.is_logit)
 
 
 def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows | None,
-           lengths: jax.Array, capacity: int, groups: int | None = None) -> Selection:
+           lengths: jax.Array, capacity: int, groups: int | None = None,
+           head_shards=None) -> Selection:
     """Top-k units per (row, group) under the selector's budget, sinks and recent window.
-    `groups` overrides the selector's group count (scores of a subset of the groups)."""
+    `groups` overrides the selector's group count (scores of a subset of the groups);
+    `head_shards` as in `unit_scores`."""
     s = plan.selector
     B = lengths.shape[0]
     G = s.num_groups(config) if groups is None else groups
@@ -133,7 +144,7 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows 
     n_units = max_units(capacity, s.unit)
     valid = jnp.repeat(valid_units, G).astype(jnp.int32)
     k = buffer_size(s, capacity)
-    if isinstance(scores, LogitRows) and topk_can_pool(s):
+    if isinstance(scores, LogitRows) and score_route(s, head_shards is not None).rows_poolable:
         if scores.shape != (B, G, n_units):
             raise ValueError(f"scores: LogitRows of shape {scores.shape}: expected "
                              f"{(B, G, n_units)} (batch, groups, capacity)")
@@ -142,7 +153,7 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows 
         if isinstance(scores, LogitRows):
             scores = jnp.where(jnp.arange(scores.shape[-1]) < lengths[:, None, None],
                                scores.scores(), -jnp.inf)
-        u = unit_scores(s, scores, plan.page_size, lengths)
+        u = unit_scores(s, scores, plan.page_size, lengths, head_shards)
         u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
         if u.shape[-1] < n_units:   # Score.NONE, or kernels that return fewer columns
             u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])),
@@ -214,127 +225,23 @@ def pre_attention_scores(plan: SparsePlan, at):
                                 page_size=plan.page_size), None
     if s.score == Score.NONE:
         return None, None
-    return scores_pass(plan, at.q, at.k_pages, at.v_pages, at.table, at.step.lengths)
+    return scores_pass(plan, at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
+                       sharded=at.head_shards is not None)
 
 
-def scores_pass(plan: SparsePlan, q, k_pages, v_pages, page_table, lengths):
+def scores_pass(plan: SparsePlan, q, k_pages, v_pages, page_table, lengths, *,
+                sharded: bool = False):
     """A SELF layer's scores pass (no V) -> (scores for `select`, logits or None). Scores
     made of every query head's logits (group sums, head probabilities) come back with those
     logits (`LogitRows`, one row per query head), which the layer's sparse attention reads
     in place of K, unless RESA's prior, whose queries have no logits, needs K anyway."""
-    s = plan.selector
-    score = kernel_score(s)
+    route = score_route(plan.selector, sharded)
+    score = route.kernel_score
     own_logits = plan.residual is None and score in (Score.GROUP_SUM, Score.HEAD_PROBS)
     r = paged_decode_attention(q, k_pages, v_pages, page_table, lengths, values=False,
-                               score=score, pool_scores=not (own_logits or pools_in_topk(s)))
+                               score=score, pool_scores=not (own_logits or route.topk_pools))
     if not own_logits:
         return r.scores, None
-    scores = r.scores if pools_in_topk(s) else pool_logit_rows(
+    scores = r.scores if route.topk_pools else pool_logit_rows(
         score, r.scores, lengths, page_size=k_pages.shape[2])
     return scores, r.scores
-
-
-# ---- per-layer state ------------------------------------------------------------------------
-def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
-               plan: SparsePlan) -> MethodState | None:
-    kmin = kmax = prior = None
-    if plan.selector.score == Score.QUEST_BOUND:
-        kmin, kmax = _page_bounds(cache, out.keys, cache.lengths)
-    if plan.residual is not None:
-        prior = resa.init_prior(out, cache.lengths)
-    if kmin is None and prior is None:
-        return None
-    return MethodState(prior=prior, kmin=kmin, kmax=kmax)
-
-
-def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
-    """Element-wise min / max key of each physical page over the prompt's valid tokens.
-    keys [L, B, T, HK, D] -> kmin, kmax [L, num_pages, HK, D] f32 (+inf / -inf when empty)."""
-    L, B, T, HK, D = keys.shape
-    P = cache.page_size
-    pages = -(-T // P)
-    pad = pages * P - T
-    kf = jnp.pad(keys.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
-    kf = kf.reshape(L, B, pages, P, HK, D)
-    valid = (jnp.arange(pages * P) < lengths[:, None]).reshape(B, pages, P)[None, :, :, :, None,
-                                                                            None]
-    lo = jnp.min(jnp.where(valid, kf, jnp.inf), axis=3)
-    hi = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
-    phys = cache.page_table[:, :pages]
-    HK = cache.k.shape[2]     # the cache's heads (KV heads replicated for a mesh)
-    lo, hi = (replicate_kv_heads(x, HK, axis=3) for x in (lo, hi))
-    kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
-    kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
-    return kmin, kmax
-
-
-def empty_page_bounds(cache: PagedKVCache) -> MethodState:
-    """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] f32."""
-    shape = cache.k.shape[:3] + cache.k.shape[4:]
-    return MethodState(kmin=jnp.full(shape, jnp.inf, jnp.float32),
-                       kmax=jnp.full(shape, -jnp.inf, jnp.float32))
-
-
-def refresh_page_bounds(state: MethodState, layer: int, k_flat: jax.Array, offset: int,
-                        page_table: jax.Array, start: jax.Array, filled: jax.Array,
-                        num_tokens: int) -> MethodState:
-    """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
-    start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
-    after K/V are overwritten (a running min/max could not forget the old keys), and a page
-    with no position below `filled` is empty again (+inf / -inf: rejected draft tokens).
-    k_flat [L * num_pages, HK, P, D]; `offset` = layer * num_pages."""
-    P, max_pages = k_flat.shape[2], page_table.shape[1]
-    logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
-    touched = logical < max_pages
-    phys = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
-    keys = k_flat[offset + phys].astype(jnp.float32)                  # [B, n, HK, P, D]
-    held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
-    lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
-    hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
-    phys = jnp.where(touched, phys, state.kmin.shape[1])              # dropped by the write
-    return state.replace(kmin=state.kmin.at[layer, phys].set(lo, mode="drop"),
-                         kmax=state.kmax.at[layer, phys].set(hi, mode="drop"))
-
-
-def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax.Array,
-                 kept: jax.Array, num_tokens: int):
-    """The state once only the first kept [B] of the num_tokens positions from start [B] are
-    kept, as if only they had been decoded (speculative decoding: drafts folded their own,
-    now overwritten or rejected, tokens). Quest's bounds of the pages those positions touch
-    are recomputed from the cache; RESA's folded prior is `prior_before` (the prior before
-    drafting) with the kept tokens' cached K/V folded in."""
-    state = cache.state
-    if state is None:
-        return None
-    filled = start + kept
-    num_layers = cache.k.shape[0]
-    if state.kmin is not None:
-        k_flat = layer_pages(cache.k)
-        state = jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
-            b, layer, k_flat, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
-            start, filled, num_tokens), state)
-    if state.prior is not None and plan.residual.fold_decode_tokens:
-        offsets = jnp.arange(num_tokens, dtype=jnp.int32)
-        positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
-        pages, slots = token_address(cache.page_table, positions, cache.page_size)
-        k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
-        v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
-        valid = offsets[None, :] < kept[:, None]
-        state = state.replace(prior=jax.lax.fori_loop(
-            0, num_layers, lambda layer, prior: resa.fold_tokens(prior, layer, k[layer], v[layer],
-                                                                  valid), prior_before))
-    return state
-
-
-def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
-    """Fold this step's key [B, HK, D] into the per-layer state (Quest bounds, RESA's optional
-    fold); ctx.pages [B] are the physical pages it was written to."""
-    if state is None:
-        return None
-    if state.kmin is not None:
-        kf = replicate_kv_heads(k.astype(jnp.float32), state.kmin.shape[2], axis=1)
-        state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(kf),
-                              kmax=state.kmax.at[layer, ctx.pages].max(kf))
-    if state.prior is not None and plan.residual.fold_decode_tokens:
-        state = state.replace(prior=resa.fold_token(state.prior, layer, k, v))
-    return state

@@ -21,8 +21,9 @@ from sparsejax.sharding import MODEL, STATE_HEADS, current_mesh, leaf_name, mode
 # ---- attention per device ------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class HeadShards:
-    """Set on a selector inside `decode_attention`: this device holds a slice of the heads, and
-    `copies` consecutive devices hold each KV head. The two cross-head score rules use it."""
+    """Handed to a layer's attention inside `decode_attention`: this device holds a slice of
+    the heads, and `copies` consecutive devices hold each KV head. The two cross-head score
+    rules use it (`selection.unit_scores`)."""
     axis: str
     copies: int
 
@@ -127,14 +128,14 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         def local(q, k_pages, v_pages, table, step, retrieval, state, sel):
             hk = k_pages.shape[1]
             local_config = dataclasses.replace(config, num_heads=q.shape[1], num_kv_heads=hk)
-            local_plan = plan if s is None else dataclasses.replace(
-                plan, selector=dataclasses.replace(s, head_shards=HeadShards(MODEL, copies)))
             step = step._replace(retrieval=retrieval, capacity=at.step.capacity,
                                  head_map=jnp.arange(hk, dtype=jnp.int32)[None])
-            # a traced layer index: the static per-layer paths read the global plan's tables
-            local_at = at._replace(step=step, layer=jnp.zeros((), jnp.int32), q=q,
-                                   k_pages=k_pages, v_pages=v_pages, table=table, state=state)
-            out, new_sel, _ = attend(role, local_plan, local_config, local_at, sel)
+            # Row 0 of the per-device tables is this layer's: the layer index is 0, and the
+            # static per-layer paths (which read the global plan's tables) are off.
+            local_at = at._replace(step=step, layer=jnp.zeros((), jnp.int32), static_layer=None,
+                                   q=q, k_pages=k_pages, v_pages=v_pages, table=table,
+                                   state=state, head_shards=HeadShards(MODEL, copies))
+            out, new_sel, _ = attend(role, plan, local_config, local_at, sel)
             if from_local is not None:
                 new_sel = jax.tree.map(from_local, new_sel)
             return heads.own_q(out), new_sel

@@ -21,7 +21,6 @@ docs/architecture.md.
 """
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax

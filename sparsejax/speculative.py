@@ -9,7 +9,7 @@ one token of its own, so the output is the dense model's:
   sampling   accept d_i with probability min(1, p(d_i) / q(d_i)) (p dense, q the draft's,
              both after temperature / top-k / top-p); at the first rejection sample from
              normalize(max(0, p - q)), after γ acceptances from p_γ (Leviathan et al. 2023)
-`selection.settle_state` then puts back the per-layer method state the drafts moved.
+`method_state.settle_state` then puts back the per-layer method state the drafts moved.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def verify(model: Model, cache: PagedKVCache, tokens: jax.Array, start: jax.Arra
            num_tokens: jax.Array):
     """Dense pass over tokens [B, C] at positions start [B] + i (the first num_tokens [B] of
     each row; 0 leaves a row untouched): writes their dense K/V and returns their logits
-    [B, C, vocab] f32. The method state is left as it is (see `selection.settle_state`)."""
+    [B, C, vocab] f32. The method state is left as it is (see `method_state.settle_state`)."""
     logits, verified = extend(model, cache.replace(state=None), tokens, num_tokens, start=start)
     return logits, verified.replace(state=cache.state)
 

@@ -13,7 +13,7 @@ from sparsejax import methods as M
 from sparsejax.models import ModelConfig
 from sparsejax.pallas_kernels import LogitRows, paged_decode_attention, sparse_decode_attention
 from sparsejax.plan import Role
-from sparsejax.selection import kernel_scores, scores_pass, select
+from sparsejax.selection import score_route, scores_pass, select
 from small_model import CFG, LENGTHS, RETRIEVAL
 from test_sparse_attention import make_case
 
@@ -286,7 +286,7 @@ def test_self_layer_reads_its_own_logits(method, own_logits):
     scores, logits = scores_pass(plan, *args)
     assert isinstance(logits, LogitRows) == own_logits and (own_logits or logits is None)
     pooled = paged_decode_attention(*args, values=False,
-                                    **dict(kernel_scores(plan.selector), pool_scores=True))
+                                    **dict(score_route(plan.selector).kernel_args(), pool_scores=True))
     sel = select(plan, CFG, scores, case["lengths"], capacity)
     want_sel = select(plan, CFG, pooled.scores, case["lengths"], capacity)
     np.testing.assert_array_equal(np.asarray(sel.indices), np.asarray(want_sel.indices))

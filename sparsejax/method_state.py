@@ -1,0 +1,119 @@
+"""Per-layer state that methods keep in the cache, and its updates: Quest's page key bounds and
+RESA's prior (`sparsejax.resa`), computed at prefill, folded on every step, recomputed where
+tokens are overwritten (cache correction) or rolled back (speculative decoding)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparsejax import resa
+from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
+                             replicate_kv_heads, token_address)
+from sparsejax.models import Model
+from sparsejax.models.decoder import ForwardOutput
+from sparsejax.plan import Score, SparsePlan
+
+
+def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
+               plan: SparsePlan) -> MethodState | None:
+    kmin = kmax = prior = None
+    if plan.selector.score == Score.QUEST_BOUND:
+        kmin, kmax = _page_bounds(cache, out.keys, cache.lengths)
+    if plan.residual is not None:
+        prior = resa.init_prior(out, cache.lengths)
+    if kmin is None and prior is None:
+        return None
+    return MethodState(prior=prior, kmin=kmin, kmax=kmax)
+
+
+def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
+    """Element-wise min / max key of each physical page over the prompt's valid tokens.
+    keys [L, B, T, HK, D] -> kmin, kmax [L, num_pages, HK, D] f32 (+inf / -inf when empty)."""
+    L, B, T, HK, D = keys.shape
+    P = cache.page_size
+    pages = -(-T // P)
+    pad = pages * P - T
+    kf = jnp.pad(keys.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0)))
+    kf = kf.reshape(L, B, pages, P, HK, D)
+    valid = (jnp.arange(pages * P) < lengths[:, None]).reshape(B, pages, P)[None, :, :, :, None,
+                                                                            None]
+    lo = jnp.min(jnp.where(valid, kf, jnp.inf), axis=3)
+    hi = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
+    phys = cache.page_table[:, :pages]
+    HK = cache.k.shape[2]     # the cache's heads (KV heads replicated for a mesh)
+    lo, hi = (replicate_kv_heads(x, HK, axis=3) for x in (lo, hi))
+    kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
+    kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
+    return kmin, kmax
+
+
+def empty_page_bounds(cache: PagedKVCache) -> MethodState:
+    """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] f32."""
+    shape = cache.k.shape[:3] + cache.k.shape[4:]
+    return MethodState(kmin=jnp.full(shape, jnp.inf, jnp.float32),
+                       kmax=jnp.full(shape, -jnp.inf, jnp.float32))
+
+
+def refresh_page_bounds(state: MethodState, layer: int, k_flat: jax.Array, offset: int,
+                        page_table: jax.Array, start: jax.Array, filled: jax.Array,
+                        num_tokens: int) -> MethodState:
+    """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
+    start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
+    after K/V are overwritten (a running min/max could not forget the old keys), and a page
+    with no position below `filled` is empty again (+inf / -inf: rejected draft tokens).
+    k_flat [L * num_pages, HK, P, D]; `offset` = layer * num_pages."""
+    P, max_pages = k_flat.shape[2], page_table.shape[1]
+    logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
+    touched = logical < max_pages
+    phys = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
+    keys = k_flat[offset + phys].astype(jnp.float32)                  # [B, n, HK, P, D]
+    held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
+    lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
+    hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
+    phys = jnp.where(touched, phys, state.kmin.shape[1])              # dropped by the write
+    return state.replace(kmin=state.kmin.at[layer, phys].set(lo, mode="drop"),
+                         kmax=state.kmax.at[layer, phys].set(hi, mode="drop"))
+
+
+def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax.Array,
+                 kept: jax.Array, num_tokens: int):
+    """The state once only the first kept [B] of the num_tokens positions from start [B] are
+    kept, as if only they had been decoded (speculative decoding: drafts folded their own,
+    now overwritten or rejected, tokens). Quest's bounds of the pages those positions touch
+    are recomputed from the cache; RESA's folded prior is `prior_before` (the prior before
+    drafting) with the kept tokens' cached K/V folded in."""
+    state = cache.state
+    if state is None:
+        return None
+    filled = start + kept
+    num_layers = cache.k.shape[0]
+    if state.kmin is not None:
+        k_flat = layer_pages(cache.k)
+        state = jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
+            b, layer, k_flat, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
+            start, filled, num_tokens), state)
+    if state.prior is not None and plan.residual.fold_decode_tokens:
+        offsets = jnp.arange(num_tokens, dtype=jnp.int32)
+        positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
+        pages, slots = token_address(cache.page_table, positions, cache.page_size)
+        k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
+        v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
+        valid = offsets[None, :] < kept[:, None]
+        state = state.replace(prior=jax.lax.fori_loop(
+            0, num_layers, lambda layer, prior: resa.fold_tokens(prior, layer, k[layer], v[layer],
+                                                                  valid), prior_before))
+    return state
+
+
+def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
+    """Fold this step's key [B, HK, D] into the per-layer state (Quest bounds, RESA's optional
+    fold); ctx.pages [B] are the physical pages it was written to."""
+    if state is None:
+        return None
+    if state.kmin is not None:
+        kf = replicate_kv_heads(k.astype(jnp.float32), state.kmin.shape[2], axis=1)
+        state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(kf),
+                              kmax=state.kmax.at[layer, ctx.pages].max(kf))
+    if state.prior is not None and plan.residual.fold_decode_tokens:
+        state = state.replace(prior=resa.fold_token(state.prior, layer, k, v))
+    return state
