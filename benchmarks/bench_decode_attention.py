@@ -3,7 +3,8 @@
 B=64, 32 query / 8 KV heads, d=128, bf16, page size 16, contexts 8k/32k/128k, page table a
 random permutation of the page pool. Peers in the same run: cuDNN
 `jax.nn.dot_product_attention` on contiguous K/V and JAX's Pallas `decode_attention.gqa`;
-the floor is the K+V bytes at 4.8 TB/s. A small tuning sweep at 32k picks the knobs used for
+the floor is the K+V bytes at 4.8 TB/s in the JSON (the plot redraws it at the device's
+bandwidth). A small tuning sweep at 32k picks the knobs used for
 every row. Each kernel variant is checked against the reference on a few rows before timing.
 
   python benchmarks/bench_decode_attention.py            # on the GPU
@@ -177,23 +178,26 @@ def time_peers(cfg, context, interpret, smoke):
     return cudnn_ms, gqa_ms, notes
 
 
-def plot(rows, path, device: str) -> None:
+def plot(rows, path, device: str, measured_tb_s: float | None = None) -> None:
+    """ms per context for every case, log-log, beside the HBM floor of the K+V bytes at
+    `device`'s bandwidth (the measured one if given, else its datasheet's)."""
     from matplotlib.ticker import NullLocator
 
     from sparsejax.plotting import figure, save
 
-    fig, ((ax,),) = figure(figsize=(7, 4.5))
+    fig, ((ax,),) = figure(figsize=(10, 4.5))
     for case in dict.fromkeys(r["case"] for r in rows):
         pts = sorted((r["context"], r["ms"]) for r in rows if r["case"] == case)
         ax.plot(*zip(*pts), marker="o", label=case)
-    floor = sorted({(r["context"], r["floor_ms"]) for r in rows})
-    ax.plot(*zip(*floor), "k--", label="HBM floor (4.8 TB/s)")
+    scale, bandwidth = harness.device_floor(device, measured_tb_s)
+    floor = sorted({(r["context"], r["floor_ms"] * scale) for r in rows})
+    ax.plot(*zip(*floor), "k--", label=f"HBM floor ({bandwidth})")
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms",
            title=f"paged decode attention, {device}")
     ax.set_xticks([c for c, _ in floor], [f"{c // 1024}k" if c >= 1024 else str(c)
                                           for c, _ in floor])
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
     save(fig, path)
     out = os.environ.get("OUT")
     if out:

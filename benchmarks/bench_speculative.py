@@ -247,12 +247,15 @@ def _round(x, digits: int = 3):
     return None if x is None else round(x, digits)
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(rows, path, device: str | None = None):
+    """Left: the embedded model's speedup per γ (whole call, and the decode phase from the cost
+    model). Right: the cost model's speedup against the acceptance rate. Rows without a device
+    were measured on `device` (the result file's; default: this machine's)."""
+    from sparsejax.plotting import figure, save
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    device = device or harness.device_name()
+    fig, axes = figure(1, 2, figsize=(12, 4.4))
+    axes = axes[0]
     emb = [r for r in rows if r.get("part") == "embedded" and "speedup_vs_dense" in r]
     predicted = {(r["drafter"], r["batch"], r["gamma"]): r["predicted_speedup_at_acceptance"]
                  for r in rows if "predicted_speedup_at_acceptance" in r}
@@ -273,7 +276,7 @@ def plot(rows, path):
         axes[0].axhline(1.0, color="gray", lw=0.8)
         axes[0].set(xlabel="draft tokens γ", ylabel="speedup over dense",
                     title=f"embedded model, {emb[0]['context']} tokens, B={batch}, "
-                    f"{emb[0].get('device', harness.device_name())}\nwhole call (solid), "
+                    f"{emb[0].get('device', device)}\nwhole call (solid), "
                     "decode phase (dashed: cost model at the acceptance)")
         axes[0].legend(fontsize=8)
     cost = [r for r in rows if r["case"].startswith("cost model") and r["part"] == "random"]
@@ -288,14 +291,12 @@ def plot(rows, path):
         axes[1].axhline(1.0, color="gray", lw=0.8)
         axes[1].set(xlabel="acceptance rate α", ylabel="predicted speedup over dense",
                     title=f"cost model, DS-Qwen-1.5B shapes, {cost[0]['context'] // 1024}k, "
-                    f"B={batch}, γ={gamma}\n{cost[0].get('device', harness.device_name())}")
+                    f"B={batch}, γ={gamma}\n{cost[0].get('device', device)}")
         axes[1].legend(fontsize=8)
     fig.suptitle("Lossless mode (sparse drafts, dense verify)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save(fig, path)
     if os.environ.get("OUT"):
-        fig.savefig(os.path.join(os.environ["OUT"], path.name), dpi=120)
-    plt.close(fig)
+        save(fig, Path(os.environ["OUT"], Path(path).name))
 
 
 def main():

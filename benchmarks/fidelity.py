@@ -71,7 +71,9 @@ def plot_questions(doc: dict, directory: Path) -> list[Path]:
 
     return [evaluation.plot(doc, directory / f"fidelity_{name}.png", metrics=[key],
                             title=f"{question}\n{Path(doc['model']).name}, {doc['context']} "
-                            f"tokens, {', '.join(doc['tasks'])}; hatched: with RESA")
+                            f"tokens, {', '.join(doc['tasks'])}" + (
+                                "; hatched: with RESA" if evaluation.has_resa(
+                                    r["method"] for r in doc["results"]) else ""))
             for name, (key, question) in QUESTIONS.items()]
 
 

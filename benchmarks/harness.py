@@ -22,6 +22,28 @@ import jax
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet; the floor every memory-bound figure is compared to
 RESULTS = Path(__file__).resolve().parent / "results"
+# Datasheet HBM bandwidth by device name (first match wins), for floors drawn from a result
+# file of another card than the one HBM_BYTES_PER_S describes.
+DATASHEET_BYTES_PER_S = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),
+                         ("H200", 4.8e12))
+
+
+def datasheet_bandwidth(device: str) -> float | None:
+    """HBM bytes/s of `device` (a `device_kind` such as "NVIDIA H100 80GB HBM3"), None if the
+    table does not know it."""
+    return next((bw for name, bw in DATASHEET_BYTES_PER_S if name in device), None)
+
+
+def device_floor(device: str, measured_tb_s: float | None = None) -> tuple[float, str]:
+    """-> (factor, label): `floor_ms` as `floor_ms()` recorded it (at HBM_BYTES_PER_S) times
+    factor is the floor at `device`'s bandwidth, the measured one when the result file has it,
+    else the datasheet's; label names the number used, for a plot."""
+    if measured_tb_s:
+        return HBM_BYTES_PER_S / (measured_tb_s * 1e12), f"{measured_tb_s:.2f} TB/s, measured"
+    bandwidth = datasheet_bandwidth(device)
+    if bandwidth is None:
+        return 1.0, f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s, assumed ({device} not in the table)"
+    return HBM_BYTES_PER_S / bandwidth, f"{bandwidth / 1e12:.2f} TB/s, {device} datasheet"
 
 
 def floor_ms(num_bytes: float) -> float:

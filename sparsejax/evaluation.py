@@ -275,26 +275,50 @@ METRICS = {"accuracy": "task accuracy (exact match)",
            "tokens_per_s": "tokens/s"}
 
 
+def on_cpu(doc: dict) -> bool:
+    """Whether the doc's timings were measured on a CPU (its kernels as jnp references)."""
+    return str(doc.get("device", "")).lower().startswith("cpu")
+
+
+def has_resa(names) -> bool:
+    return any(RESA in name for name in names)
+
+
 def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
     """One panel per metric (default: those measured for some method) over the methods, mean
     over the tasks: bars, one per budget (lighter for smaller ones), up to three budgets; lines
     against the budget ratio beyond; none where a method does not measure the metric. A colour
-    per base method; its RESA variant hatched (dashed) in it."""
+    per base method; its RESA variant hatched (dashed) in it. By default a metric with a single
+    value (one lossless method's acceptance at one budget) is written in the title instead of
+    a panel of one bar; tokens/s measured on a CPU says it does not tell GPU speed."""
+    import textwrap
+
     from matplotlib.patches import Patch
 
     from sparsejax.plotting import figure, method_style, save
 
     overall = "all" if len(doc["tasks"]) > 1 else doc["tasks"][0]
     results = [r for r in doc["results"] if r["task"] == overall]
-    metrics = metrics or [m for m in METRICS if any(r.get(m) is not None for r in results)]
+    measured = {m: [r for r in results if r.get(m) is not None] for m in METRICS}
+    notes = []
+    if metrics is None:
+        metrics = [m for m in METRICS if len(measured[m]) > 1 or
+                   (measured[m] and m != "acceptance_rate")]
+        for r in measured["acceptance_rate"] if "acceptance_rate" not in metrics else ():
+            notes.append(f"{r['method']}: {r['acceptance_rate']:.0%} of drafts accepted")
     names = list(dict.fromkeys(r["method"] for r in results))
     bases = list(dict.fromkeys(m.removesuffix(RESA) for m in names))
     ratios = sorted({r["budget_ratio"] for r in results})
     value = {(r["method"], r["budget_ratio"]): r for r in results}
     bars = len(ratios) <= 3
-    width = (0.5 * len(names) * len(ratios) + 1.5) if bars else 5.5
-    fig, axes = figure(1, len(metrics), figsize=(max(4.5, width) * len(metrics) / 1.6, 4.2))
-    for ax, key in zip(axes[0], metrics):
+    panel = min(14.0, max(3.6, 0.45 * len(names) * len(ratios) + 1.2)) if bars else 4.5
+    ncols = len(metrics) if panel * len(metrics) <= 16 else min(2, len(metrics))  # two a row
+    nrows = -(-len(metrics) // ncols)
+    fig, axes = figure(nrows, ncols, figsize=(panel * ncols, 4.4 * nrows))
+    axes = axes.ravel()
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    for ax, key in zip(axes, metrics):
         for i, name in enumerate(names):
             style = method_style(name, bases)
             ys = [np.nan if value.get((name, x), {}).get(key) is None else value[name, x][key]
@@ -312,21 +336,29 @@ def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
                 ax.plot(ratios, ys, marker="o", color=style["color"], label=name,
                         linestyle="--" if style["resa"] else "-",
                         markerfacecolor="none" if style["resa"] else style["color"])
-        ax.set_title(METRICS[key])
+        label = textwrap.wrap(METRICS[key], width=max(24, int(panel * 8)))
+        if key == "tokens_per_s" and on_cpu(doc):
+            label.append("CPU: not indicative of GPU speed")
+        ax.set_title("\n".join(label), fontsize=10)
         ax.grid(alpha=0.3, axis="y" if bars else "both")
         if bars:
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
         else:
             ax.set_xlabel("budget ratio")
     if bars and len(ratios) > 1:
-        axes[0, -1].legend(handles=[Patch(color="grey", alpha=0.4 + 0.6 * (j + 1) / len(ratios),
-                                          label=f"budget {x:g} of the context")
-                                    for j, x in enumerate(ratios)], fontsize=8)
+        fig.legend(handles=[Patch(color="grey", alpha=0.4 + 0.6 * (j + 1) / len(ratios),
+                                  label=f"budget {x:g} of the context")
+                            for j, x in enumerate(ratios)], fontsize=8, loc="upper right")
     elif not bars:
-        axes[0, -1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    budget = f", budget {ratios[0]:g} of the context" if len(ratios) == 1 else ""
-    fig.suptitle(title or f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
-                 f"{', '.join(doc['tasks'])}{budget} (hatched: with RESA)")
+        axes[len(metrics) - 1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    if title is None:
+        budget = f", budget {ratios[0]:g} of the context" if len(ratios) == 1 else ""
+        lines = textwrap.wrap(f"{Path(doc['model'] or 'model').name}, context {doc['context']}, "
+                              f"{', '.join(doc['tasks'])}{budget}", width=int(panel * ncols * 9))
+        lines += ["hatched: with RESA"] if has_resa(names) else []
+    else:
+        lines = title.split("\n")
+    fig.suptitle("\n".join(lines + notes), fontsize=11)
     return save(fig, path)
 
 

@@ -115,7 +115,8 @@ class Selector:
 
 @dataclasses.dataclass(frozen=True)
 class Residual:
-    """RESA: the unselected prefill keys' contribution from a rank-1 prior (DESIGN §8)."""
+    """RESA: the unselected prefill keys' contribution from a rank-1 prior
+    (docs/architecture.md, RESA)."""
     lam: float = 1.0
     fold_decode_tokens: bool = False
 

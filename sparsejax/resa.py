@@ -1,4 +1,5 @@
-"""RESA: add back the unselected prefill keys' contribution from a rank-1 prior (DESIGN §8).
+"""RESA: add back the unselected prefill keys' contribution from a rank-1 prior (the
+derivation, and why this form is stable: docs/architecture.md, section RESA).
 
 Prior per layer and query head, computed once at the end of prefill (fp32):
   mu_q   mean post-RoPE prompt query,  mu_k  mean prompt key (per KV head),
