@@ -129,7 +129,8 @@ def cmd_generate(args) -> int:
     lossless = ("" if args.draft_tokens is None else f"; lossless, {int(out.accepted[0])} of "
                 f"{int(out.drafted[0])} drafted tokens accepted")
     print(f"[{n} tokens in {seconds:.3f} s: {n / seconds:.1f} tokens/s; method {method!r}"
-          f"{lossless}; prompt {ids.shape[1]} tokens; {jax.default_backend()}]", file=sys.stderr)
+          f"{lossless}; prompt {ids.shape[1]} tokens, compiled for "
+          f"{sparsejax.bucket_length(ids.shape[1])}; {jax.default_backend()}]", file=sys.stderr)
     if speed_note():
         print(speed_note(), file=sys.stderr)
     return 0
