@@ -14,7 +14,8 @@ context:
   own budget, so every new length compiles.
 Each arm starts from empty caches (`jax.clear_caches`). Counted per arm: programs compiled for
 `generate` (its jit cache), all XLA backend compiles and their seconds (`jax.monitoring`), the
-wall time of the calls, and the answers that are right. Writes results/buckets_<device>.json.
+wall time of the calls, and the answers that are right (`buckets_touched` of per_length
+counts the distinct prompt widths). Writes results/buckets_<backend>.json.
 """
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--method", default="delta")
     p.add_argument("--dtype", default="float32", help='"auto" is the checkpoint\'s (bf16)')
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default="", help="what else ran on the machine, if anything")
     args = p.parse_args(argv)
     llm = sparsejax.LLM(sparsejax.embedded_model_path(), method=args.method,
                         dtype=args.dtype if args.dtype == "auto" else jnp.dtype(args.dtype))
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     path = write_results(f"buckets_{device}", summaries + rows, method=args.method,
                          dtype=str(llm.model.dtype), max_tokens=args.max_tokens,
                          lengths=[args.min_length, args.max_length],
-                         note="per_length is LLM.generate before length buckets")
+                         note="per_length is LLM.generate before length buckets. " + args.note)
     print(f"wrote {path}")
     return 0
 

@@ -74,6 +74,10 @@ class SamplingParams:
                                                 if getattr(self, f.name) is not None})
 
 
+def _or(value, default):
+    return default if value is None else value
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -142,9 +146,10 @@ class LLM:
         true, else greedy; max_new_tokens as max_tokens (else 16, vLLM's)."""
         g = self.generation_config
         sampled = bool(g.get("do_sample", False))
+        top_k = g.get("top_k", 50)              # null in the file: no top-k
         return SamplingParams(
-            temperature=float(g.get("temperature") or 1.0) if sampled else 0.0,
-            top_p=float(g.get("top_p") or 1.0), top_k=int(g.get("top_k", 50) or 0),
+            temperature=float(_or(g.get("temperature"), 1.0)) if sampled else 0.0,
+            top_p=float(_or(g.get("top_p"), 1.0)), top_k=0 if top_k is None else int(top_k),
             max_tokens=int(g.get("max_new_tokens") or DEFAULT_MAX_TOKENS), stop=(),
             stop_token_ids=(), logprobs=False)
 

@@ -296,6 +296,9 @@ def test_default_sampling_params_come_from_generation_config(tmp_path):
     assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (
         0.6, 0.9, 50, 5)                       # top_k: transformers' default when unset
     assert SamplingParams(temperature=0).over(defaults).temperature == 0
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": None}))
+    unset = sparsejax.LLM(path, dtype=jnp.float32).get_default_sampling_params()
+    assert (unset.temperature, unset.top_p, unset.top_k) == (1.0, 1.0, 0)   # null: no top-k
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
     greedy = sparsejax.LLM(path, dtype=jnp.float32).get_default_sampling_params()
     assert (greedy.temperature, greedy.max_tokens) == (0.0, 16)   # no do_sample: greedy
