@@ -164,8 +164,10 @@ def test_dtype_auto_reads_the_checkpoint_and_allocate_takes_the_models(tmp_path,
     assert sparsejax.allocate(tiny, 1, 32, dtype=jnp.bfloat16).k.dtype == jnp.bfloat16
     plan = dense_plan(tiny.config, 16)
     ids, lengths = ragged([7])
-    logits, cache = sparsejax.prefill(tiny, cache, ids, lengths, plan)
-    logits, cache = sparsejax.decode_step(tiny, cache, jnp.argmax(logits, -1), plan)
+    logits, cache = jax.jit(sparsejax.prefill, static_argnames="plan")(tiny, cache, ids, lengths,
+                                                                        plan=plan)
+    logits, cache = jax.jit(sparsejax.decode_step, static_argnames="plan")(
+        tiny, cache, jnp.argmax(logits, -1), plan=plan)
     assert logits.shape == (1, CONFIG.vocab_size)
     with pytest.raises(ValueError, match="expected a Model"):
         sparsejax.allocate({"vocab_size": 3}, 1, 32)
@@ -182,7 +184,7 @@ TAPIR = ("the special magic number for orca 39 20 34 . leave bird again . the sp
 
 @pytest.fixture(scope="module")
 def llm():
-    return sparsejax.LLM(sparsejax.embedded_model_path())
+    return sparsejax.LLM(sparsejax.embedded_model_path(), dtype=jnp.float32)
 
 
 def test_llm_generate_returns_request_outputs(llm):
@@ -207,29 +209,34 @@ def test_llm_generate_returns_request_outputs(llm):
         llm.generate([])
 
 
-def test_llm_stop_strings_logprobs_and_seeds(llm):
-    params = SamplingParams(max_tokens=8, stop=["20"], logprobs=2)
+def test_llm_stop_strings_stop_tokens_logprobs_and_seeds(llm):
     ids = llm.tokenizer(TAPIR)["input_ids"]
+    stop_id = llm.tokenizer("61", add_special_tokens=False)["input_ids"][0]
+    params = SamplingParams(max_tokens=8, stop=["20"], stop_token_ids=[stop_id], logprobs=2)
     orca, tapir = llm.generate([ORCA, {"prompt_token_ids": ids}], params)
     assert (orca.outputs[0].text, orca.outputs[0].finish_reason) == ("39 20", "stop")
-    assert orca.outputs[0].stop_reason == "20"
-    assert tapir.outputs[0].text == "5 61 17" and tapir.prompt_token_ids == ids
-    # the chosen tokens' log-probabilities are the array API's, the top 2 in rank order
-    out = sparsejax.generate(llm.model, np.asarray([ids]), max_new_tokens=8, logprobs=True)
+    assert orca.outputs[0].stop_reason == "20"                 # a stop string, kept
     got = tapir.outputs[0]
-    want = np.asarray(out.logprobs[0, :len(got.token_ids)])
+    assert (got.text, got.finish_reason, got.stop_reason) == ("5 61", "stop", stop_id)
+    assert tapir.prompt_token_ids == ids and got.token_ids[-1] == stop_id
+    # the chosen tokens' log-probabilities are the array API's, the top 2 ranked 1 and 2
+    rows = np.zeros((2, len(ids)), np.int32)
+    orca_ids = llm.tokenizer(ORCA)["input_ids"]
+    rows[0, :len(orca_ids)], rows[1] = orca_ids, ids
+    eos = (llm.model.config.eos_token_id, stop_id)
+    out = sparsejax.generate(llm.model, rows, lengths=np.asarray([len(orca_ids), len(ids)]),
+                             max_new_tokens=8, logprobs=2, eos_token_id=eos)
+    want = np.asarray(out.logprobs[1, :len(got.token_ids)])
     np.testing.assert_allclose([lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)],
-                               want, atol=1e-5)
-    assert got.cumulative_logprob == pytest.approx(float(want.sum()), abs=1e-4)
-    assert all(len(lp) >= 2 and sorted(r.rank for r in lp.values() if r.rank) == [1, 2]
-               for lp in got.logprobs)
-    # an int seed reproduces a sampled completion; a stop token id ends it
+                               want, atol=1e-6)
+    assert got.cumulative_logprob == pytest.approx(float(want.sum()), abs=1e-5)
+    assert all(sorted(r.rank for r in lp.values() if r.rank) == [1, 2] for lp in got.logprobs)
+    assert len(orca.outputs[0].logprobs) == len(orca.outputs[0].token_ids) == 2
+    # an int seed reproduces a sampled completion, another seed samples another
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-    a, b = (llm.generate(TAPIR, sampled)[0].outputs[0] for _ in range(2))
-    assert a.token_ids == b.token_ids
-    stop_id = a.token_ids[1]
-    c = llm.generate(TAPIR, dataclasses.replace(sampled, stop_token_ids=[stop_id]))[0].outputs[0]
-    assert c.token_ids == a.token_ids[:2] and (c.finish_reason, c.stop_reason) == ("stop", stop_id)
+    a, b = (llm.generate("the", sampled)[0].outputs[0].token_ids for _ in range(2))
+    other = llm.generate("the", dataclasses.replace(sampled, seed=4))[0].outputs[0].token_ids
+    assert a == b != other
 
 
 def test_stop_strings_end_where_transformers_stop_string_criteria_does():
