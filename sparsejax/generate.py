@@ -513,7 +513,8 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
 def _empty_logprobs(batch: int, steps: int, top: int):
     """(chosen [B, steps] f32, (ids [B, steps, top] int32, log-probs [B, steps, top] f32))."""
     return (jnp.zeros((batch, steps), jnp.float32),
-            (jnp.zeros((batch, steps, top), jnp.int32), jnp.zeros((batch, steps, top), jnp.float32)))
+            (jnp.zeros((batch, steps, top), jnp.int32),
+             jnp.zeros((batch, steps, top), jnp.float32)))
 
 
 def _record_logprobs(scores, step, logits, chosen, top: int, done=None):
