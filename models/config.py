@@ -43,6 +43,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -121,7 +122,7 @@ class ModelConfig:
             raise ValueError(f"config.json layer_types={sorted(set(layer_types))}: only "
                              "'full_attention' layers are supported")
         attention_bias = bool(d.get("attention_bias", False))
-        eos = d.get("eos_token_id")
+        eos, pad = d.get("eos_token_id"), d.get("pad_token_id")
         return cls(
             model_type=model_type,
             vocab_size=d["vocab_size"],
@@ -143,6 +144,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=pad[0] if isinstance(pad, list) else pad,
         )
 
     @classmethod
@@ -182,6 +184,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
             else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
         }
         if self.model_type in ("llama", "qwen3"):
             d["attention_bias"] = self.o_bias if self.model_type == "llama" else self.qkv_bias

@@ -186,12 +186,49 @@ def checkpoint_dir(path_or_id: str | Path) -> Path:
                          f"could not be loaded: {type(e).__name__}: {e}") from None
 
 
-def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def checkpoint_dtype(path: str | Path):
+    """The dtype config.json names (`torch_dtype`, or `dtype` as newer transformers write it):
+    float32, bfloat16 or float16; float32 where it names none."""
+    config = _json_object(Path(path) / "config.json")
+    name = config.get("dtype", config.get("torch_dtype"))
+    if name is None:
+        return jnp.float32
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"{Path(path) / 'config.json'} has torch_dtype={name!r}: expected one "
+                         f"of {tuple(_DTYPES)}; pass dtype= to load it in another")
+    return _DTYPES[name]
+
+
+def resolve_dtype(dtype, path: str | Path):
+    """`dtype` as a float dtype: "auto" is the checkpoint's (`checkpoint_dtype`)."""
+    if isinstance(dtype, str) and dtype == "auto":
+        return checkpoint_dtype(path)
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype={dtype!r}: expected \"auto\" or a float dtype such as "
+                         "jnp.bfloat16 or jnp.float32") from None
+    return resolved
+
+
+def generation_config(path: str | Path) -> dict:
+    """The checkpoint's generation_config.json as a dict ({} where there is none)."""
+    file = Path(path) / "generation_config.json"
+    return _json_object(file) if file.exists() else {}
+
+
+def from_pretrained(path_or_id: str | Path, *, dtype="auto",
                     check_finite: bool = True) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
-    a `Model`. The EOS of `generation_config.json`, when there is one, overrides config.json's,
-    as in transformers' `generate`.
+    a `Model`. The EOS and pad tokens of `generation_config.json`, when there is one, override
+    config.json's, as in transformers' `generate`.
 
+    dtype: "auto" (the default) keeps the checkpoint's (config.json's `torch_dtype`; float32
+    where it names none), as transformers' `torch_dtype="auto"` and vLLM do; or a float dtype.
     check_finite: scan every weight once and refuse NaN or inf, naming the first tensor that
     holds one (a damaged or diverged checkpoint would otherwise decode NaN).
     """
@@ -199,13 +236,16 @@ def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(path / "config.json")
-    generation = path / "generation_config.json"
-    if generation.exists():
-        eos = _json_object(generation).get("eos_token_id")
-        if eos is not None:
-            config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
-                                         else eos)
-    return Model(config=config, params=load_params(path, config, dtype, check_finite=check_finite))
+    generation = generation_config(path)
+    eos, pad = generation.get("eos_token_id"), generation.get("pad_token_id")
+    if eos is not None:
+        config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
+                                     else eos)
+    if pad is not None:
+        config = dataclasses.replace(config, pad_token_id=pad[0] if isinstance(pad, list)
+                                     else pad)
+    return Model(config=config, params=load_params(path, config, resolve_dtype(dtype, path),
+                                                   check_finite=check_finite))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -3,15 +3,16 @@
     model = sparsejax.from_pretrained("path/to/hf-checkpoint")      # or a Hub id
     out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=64,
                              method=sparsejax.methods.DELTA())
-    sparsejax.LLM("path/to/hf-checkpoint", method="delta").generate(["..."])   # text to text
+    llm = sparsejax.LLM("path/to/hf-checkpoint", method="delta")                # text to text
+    llm.generate(["..."], sparsejax.SamplingParams(max_tokens=64))[0].outputs[0].text
 """
 from pathlib import Path
 
 from sparsejax import methods
 from sparsejax.cache import PagedKVCache
-from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
-                                prefill, sample)
-from sparsejax.llm import LLM
+from sparsejax.generate import (GenerateOutput, Sampling, bucket_length, compile_generate,
+                                decode_step, enable_compilation_cache, generate, prefill, sample)
+from sparsejax.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
 from sparsejax.sharding import allocate, shard
@@ -29,9 +30,10 @@ def embedded_model_path() -> Path:
 
 
 __all__ = [
-    "Budget", "GenerateOutput", "LLM", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
-    "Score", "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step",
-    "embedded_model_path",
+    "Budget", "CompletionOutput", "GenerateOutput", "LLM", "Logprob", "Model", "ModelConfig",
+    "PagedKVCache", "RequestOutput", "Role", "Sampling", "SamplingParams", "Score", "Selection",
+    "Selector", "SparsePlan", "allocate", "bucket_length", "compile_generate", "decode_step",
+    "embedded_model_path", "enable_compilation_cache",
     "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
     "save_pretrained", "shard",
 ]

@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from sparsejax.models import ModelConfig
+from sparsejax.models import Model, ModelConfig
 
 MAX_PAGE_SIZE = 256
 
@@ -57,16 +57,29 @@ def check_page_size(page_size) -> None:
         raise ValueError(f"page_size={page_size!r}: expected a power of two from 1 to {MAX_PAGE_SIZE}")
 
 
-def allocate(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-             dtype=jnp.bfloat16, kv_copies: int = 1) -> PagedKVCache:
+def config_and_dtype(config_or_model, dtype=None):
+    """(ModelConfig, cache dtype) of `allocate`'s first argument: a Model's config and, unless
+    `dtype` is given, its dtype; a ModelConfig and `dtype`, else bfloat16."""
+    if isinstance(config_or_model, Model):
+        return config_or_model.config, config_or_model.dtype if dtype is None else dtype
+    if not isinstance(config_or_model, ModelConfig):
+        raise ValueError(f"allocate got {type(config_or_model).__name__}: expected a Model "
+                         "(its config and dtype) or a ModelConfig")
+    return config_or_model, jnp.bfloat16 if dtype is None else dtype
+
+
+def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
+             page_size: int = 16, dtype=None, kv_copies: int = 1) -> PagedKVCache:
     """An empty cache for `batch` rows of up to `capacity` tokens each, on the default device
-    (`sparsejax.allocate` lays it out on a mesh).
+    (`sparsejax.allocate` lays it out on a mesh). `config_or_model`: a Model (the cache takes
+    its dtype unless `dtype` is given) or a ModelConfig (dtype default bfloat16).
 
     Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
     equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
     each data shard's rows). `kv_copies`: each KV head stored that many times in a row (what a
     mesh with more model ranks than KV heads needs; a mesh sets it).
     """
+    config, dtype = config_and_dtype(config_or_model, dtype)
     check_page_size(page_size)
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")

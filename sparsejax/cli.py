@@ -109,7 +109,7 @@ def cmd_generate(args) -> int:
     method_options(args)                      # before loading anything
     mesh = sharding.tensor_parallel_mesh(args.tp)
     model_dir = args.model or sparsejax.embedded_model_path()
-    model = sparsejax.from_pretrained(model_dir, dtype={"bf16": jnp.bfloat16,
+    model = sparsejax.from_pretrained(model_dir, dtype={"auto": "auto", "bf16": jnp.bfloat16,
                                                         "f32": jnp.float32}[args.dtype])
     if mesh is not None:
         model = sparsejax.shard(model, mesh)
@@ -117,7 +117,7 @@ def cmd_generate(args) -> int:
     ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
     method = method_from_args(args, model, ids.shape[1], model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed),
+              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               draft_tokens=args.draft_tokens)
     jax.block_until_ready(sparsejax.generate(model, ids, **kw).tokens)     # compile, warm up
     t0 = time.perf_counter()
@@ -129,7 +129,8 @@ def cmd_generate(args) -> int:
     lossless = ("" if args.draft_tokens is None else f"; lossless, {int(out.accepted[0])} of "
                 f"{int(out.drafted[0])} drafted tokens accepted")
     print(f"[{n} tokens in {seconds:.3f} s: {n / seconds:.1f} tokens/s; method {method!r}"
-          f"{lossless}; prompt {ids.shape[1]} tokens; {jax.default_backend()}]", file=sys.stderr)
+          f"{lossless}; prompt {ids.shape[1]} tokens, compiled for "
+          f"{sparsejax.bucket_length(ids.shape[1])}; {jax.default_backend()}]", file=sys.stderr)
     if speed_note():
         print(speed_note(), file=sys.stderr)
     return 0
@@ -148,7 +149,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=ratio, default=None,
                    help="sample from the nucleus of this mass (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--dtype", choices=["bf16", "f32"], default="f32", help="compute dtype")
+    p.add_argument("--dtype", choices=["auto", "bf16", "f32"], default="auto",
+                   help="compute dtype; auto: the checkpoint's (config.json torch_dtype, else f32)")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor parallel over this many devices (README: Several GPUs)")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",

@@ -1,7 +1,9 @@
 """Generation as small functions: prefill, decode_step, sample, draft, generate.
 
 `generate` = prefill + a `lax.while_loop` of decode steps, jitted end to end. The sparse
-method (a `SparsePlan`) is a static argument: one compile per (plan, shapes). With
+method (a `SparsePlan`) is a static argument: one compile per (plan, shapes). Prompts are
+right-padded to a length bucket (`bucket_length`), so prompts of many lengths share one
+compiled program per bucket. With
 `draft_tokens`, each loop iteration is a round of self-speculative decoding instead
 (`sparsejax.speculative`): the method drafts, dense attention verifies.
 """
@@ -30,6 +32,12 @@ class GenerateOutput(NamedTuple):
     diagnostics: dict | None = None  # per step and layer, when asked (see methods docs)
     drafted: jax.Array | None = None   # [B] int32 tokens drafted (speculative decoding only)
     accepted: jax.Array | None = None  # [B] int32 of those, accepted by the dense verify
+    # [B, max_new_tokens] f32 log-softmax of the model's logits (before temperature / top-k /
+    # top-p) at each generated token, when asked (`logprobs=`); after a row stops, 0
+    logprobs: jax.Array | None = None
+    # ([B, max_new_tokens, n] int32 ids, [B, max_new_tokens, n] f32 log-probabilities) of the n
+    # most likely tokens at each step, when `logprobs=n` with n >= 1
+    top_logprobs: tuple[jax.Array, jax.Array] | None = None
 
 
 class Sampling(NamedTuple):
@@ -141,20 +149,57 @@ def sampling_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
     return logits
 
 
+# ---- length buckets -------------------------------------------------------------------------
+MIN_BUCKET = 16
+BUCKET_STEP = 4096
+
+
+def bucket_length(num_tokens: int) -> int:
+    """The padded prompt width that `num_tokens` compiles at: the next power of two from
+    MIN_BUCKET up to BUCKET_STEP, then the next multiple of BUCKET_STEP (at most BUCKET_STEP
+    - 1 padding tokens, a share that shrinks as prompts grow, for one compile per bucket)."""
+    if num_tokens <= BUCKET_STEP:
+        return max(MIN_BUCKET, 1 << (max(num_tokens, 1) - 1).bit_length())
+    return -(-num_tokens // BUCKET_STEP) * BUCKET_STEP
+
+
+def enable_compilation_cache(directory, *, min_compile_seconds: float = 0.0) -> None:
+    """Keep compiled programs on disk in `directory` (JAX's persistent compilation cache), so
+    a later process compiling the same program (same model shapes, method, bucket, batch and
+    max_new_tokens, on the same JAX and device) loads it instead. Programs whose compile took
+    less than `min_compile_seconds` are not written."""
+    from pathlib import Path
+
+    if not (math.isfinite(min_compile_seconds) and min_compile_seconds >= 0):
+        raise ValueError(f"min_compile_seconds={min_compile_seconds}: expected a finite value "
+                         ">= 0")
+    path = Path(directory).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_seconds))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 # ---- generate -------------------------------------------------------------------------------
 def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
              method=None, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, eos_token_id: int | Sequence[int] | None = None,
-             rng: jax.Array | None = None, page_size: int | None = None,
-             return_diagnostics: bool = False, prefill_chunk: int | None = None,
-             correct_every: int | None = None, draft_tokens: int | None = None, mesh=None
-             ) -> GenerateOutput:
+             rng: jax.Array | int | None = None, seed: int | None = None,
+             page_size: int | None = None, return_diagnostics: bool = False,
+             prefill_chunk: int | None = None, correct_every: int | None = None,
+             draft_tokens: int | None = None, mesh=None, logprobs: bool | int = False,
+             pad_token_id: int | None = None, pad_to_bucket: bool = True) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
     the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
 
+    Without either, every token of `input_ids` is prompt, unless the pad token
+    (`pad_token_id`, else the checkpoint's) appears in them and is no EOS: then the mask is
+    `input_ids != pad_token_id`, as transformers infers it.
+
     `method=None` is dense attention; otherwise a method from `sparsejax.methods` (or a plan).
-    Greedy when `temperature` is 0, else sampled with the explicit PRNG key `rng`. A row that
+    Greedy when `temperature` is 0, else sampled with the PRNG key `rng` (a key, or an int
+    seed; `seed=` is the same as an int `rng`). A row that
     emits an EOS token stops; its remaining tokens are EOS. `eos_token_id=None` takes the
     checkpoint's (generation_config.json, else config.json); `()` never stops. The page size
     defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
@@ -170,6 +215,12 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     `mesh`: a `jax.sharding.Mesh` with an axis "model" (tensor parallel) and optionally "data"
     (rows); the model is placed on it with `sparsejax.shard` (a model already placed runs on
     its own mesh). See `sparsejax.sharding`.
+    `logprobs`: True also returns each generated token's log-probability under the model
+    (`GenerateOutput.logprobs`, the log-softmax of the logits before temperature, top-k and
+    top-p); an int n >= 1 also the n most likely tokens' (`top_logprobs`). Off, nothing is
+    computed.
+    `pad_to_bucket`: right-pad the prompts to `bucket_length(T)` tokens (lengths unchanged, so
+    no row's output changes) and compile once per bucket rather than per prompt width.
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -179,23 +230,32 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     args, static = _prepare(model, input_ids, lengths=lengths, attention_mask=attention_mask,
                             max_new_tokens=max_new_tokens,
                             method=method, temperature=temperature, top_k=top_k, top_p=top_p,
-                            eos_token_id=eos_token_id, rng=rng, page_size=page_size,
-                            return_diagnostics=return_diagnostics, prefill_chunk=prefill_chunk,
-                            correct_every=correct_every, draft_tokens=draft_tokens, mesh=mesh)
+                            eos_token_id=eos_token_id, rng=rng, seed=seed,
+                            page_size=page_size, return_diagnostics=return_diagnostics,
+                            prefill_chunk=prefill_chunk, correct_every=correct_every,
+                            draft_tokens=draft_tokens, mesh=mesh, logprobs=logprobs,
+                            pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket)
     return _generate(*args, **static)
 
 
 def compile_generate(model: Model, input_ids, **kwargs):
     """`generate(model, input_ids, **kwargs)` compiled ahead of time, without running it.
 
-    Returns `run(input_ids, lengths=None, attention_mask=None)` for inputs of the same shape,
-    e.g. to time generation without the compile (a warm-up call would also run it once)."""
+    Returns `run(input_ids, lengths=None, attention_mask=None)` for inputs of the same batch
+    whose prompt width falls in the same length bucket (the same width with
+    `pad_to_bucket=False`), e.g. to time generation without the compile (a warm-up call would
+    also run it once)."""
     args, static = _prepare(model, input_ids, **kwargs)
     compiled = _generate.lower(*args, **static).compile()
+    width = args[1].shape
 
     def run(input_ids, lengths=None, attention_mask=None):
         args, _ = _prepare(model, input_ids, **{**kwargs, "lengths": lengths,
                                                 "attention_mask": attention_mask})
+        if args[1].shape != width:
+            raise ValueError(f"input_ids of shape {np.shape(input_ids)} pad to {args[1].shape}: "
+                             f"this program was compiled for {width} (batch, bucket); "
+                             "compile_generate again for these inputs")
         return compiled(*args)
 
     return run
@@ -228,9 +288,16 @@ def _right_padded(input_ids, attention_mask):
 
 def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tokens: int,
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
-             rng=None, page_size=None, return_diagnostics: bool = False, prefill_chunk=None,
-             correct_every=None, draft_tokens=None, mesh=None):
+             rng=None, seed=None, page_size=None, return_diagnostics: bool = False,
+             prefill_chunk=None, correct_every=None, draft_tokens=None, mesh=None,
+             logprobs=False, pad_token_id=None, pad_to_bucket: bool = True):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
+    if eos_token_id is None:
+        eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
+    eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
+    if attention_mask is None and lengths is None:
+        attention_mask = _inferred_mask(input_ids, model.config.pad_token_id
+                                        if pad_token_id is None else pad_token_id, eos)
     if attention_mask is not None:
         if lengths is not None:
             raise ValueError("give lengths= (right padding) or attention_mask=, not both")
@@ -261,13 +328,22 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
     if draft_tokens is not None and return_diagnostics:
         raise ValueError("return_diagnostics=True with draft_tokens: diagnostics are per "
                          "decode step of one method; run without draft_tokens for them")
+    top_logprobs = _logprobs_count(logprobs, model.config.vocab_size)
+    if draft_tokens is not None and top_logprobs is not None:
+        raise ValueError(f"logprobs={logprobs!r} with draft_tokens: lossless mode keeps no "
+                         "per-token log-probabilities; run without draft_tokens for them")
+    rng = prng_key(rng, seed)
     if temperature > 0 and rng is None:
-        raise ValueError("temperature > 0 samples: pass an explicit PRNG key as rng=")
+        raise ValueError("temperature > 0 samples: pass a PRNG key or an int seed as rng= "
+                         "(or seed=)")
     plan = as_plan(method, model.config, page_size)
-    model.config.check_context(T + max_new_tokens)
-    if eos_token_id is None:
-        eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
-    eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
+    host_lengths = None if isinstance(lengths, jax.core.Tracer) else np.asarray(lengths)
+    model.config.check_context((T if host_lengths is None else int(host_lengths.max()))
+                               + max_new_tokens)
+    if pad_to_bucket and bucket_length(T) > T:   # lengths stay: the padding is never read
+        pad = ((0, 0), (0, bucket_length(T) - T))
+        input_ids = (jnp.pad(input_ids, pad) if isinstance(input_ids, jax.core.Tracer)
+                     else jnp.asarray(np.pad(np.asarray(input_ids), pad)))
     rng = jax.random.key(0) if rng is None else rng
     model = _placed(model, mesh, B)
     if model.mesh is not None:
@@ -277,8 +353,62 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
     static = dict(max_new_tokens=max_new_tokens, plan=plan,
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
-                  correct_every=correct_every, draft_tokens=draft_tokens)
+                  correct_every=correct_every, draft_tokens=draft_tokens,
+                  top_logprobs=top_logprobs)
     return (model, input_ids, lengths, rng), static
+
+
+def _inferred_mask(input_ids, pad_token_id, eos: tuple[int, ...]):
+    """transformers' rule for ids given without a mask: where the pad token occurs in them and
+    is no EOS, the mask is `input_ids != pad_token_id`; otherwise None (all prompt)."""
+    if pad_token_id is None or pad_token_id in eos or isinstance(input_ids, jax.core.Tracer):
+        return None
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or not (ids == pad_token_id).any():
+        return None
+    mask = ids != pad_token_id
+    starts, ends = np.argmax(mask, axis=1), ids.shape[1] - np.argmax(mask[:, ::-1], axis=1)
+    inside = [i for i in range(len(ids))
+              if not mask[i].any() or not mask[i, starts[i]:ends[i]].all()]
+    if inside:
+        raise ValueError(f"input_ids rows {inside[:8]} hold the pad token {pad_token_id} inside "
+                         "the prompt (or nothing else), so the prompt cannot be told from the "
+                         "padding: pass attention_mask= or lengths=")
+    return mask.astype(np.int32)
+
+
+def _logprobs_count(logprobs, vocab_size: int) -> int | None:
+    """generate's `logprobs` -> None (off), 0 (the chosen tokens') or n (and the n likeliest)."""
+    if logprobs is None or logprobs is False:
+        return None
+    if logprobs is True:
+        return 0
+    if isinstance(logprobs, (int, np.integer)) and 0 <= logprobs <= vocab_size:
+        return int(logprobs)
+    raise ValueError(f"logprobs={logprobs!r}: expected a bool, or an int in [0, {vocab_size}] "
+                     "(also return that many most likely tokens per step)")
+
+
+def prng_key(rng, seed=None):
+    """`rng` (a PRNG key, a legacy uint32[2] key, or an int seed) or `seed` (an int) as a typed
+    PRNG key; None when neither is given."""
+    if seed is not None:
+        if rng is not None:
+            raise ValueError(f"rng={rng!r:.40} and seed={seed!r}: give one of them")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed={seed!r}: expected an int")
+        rng = seed
+    if rng is None:
+        return None
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        return jax.random.key(int(rng))
+    if isinstance(rng, (jax.Array, np.ndarray)):
+        if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) and rng.shape == ():
+            return rng
+        if rng.dtype == np.uint32 and rng.shape == (2,):      # jax.random.PRNGKey(seed)
+            return jax.random.wrap_key_data(rng)
+    raise ValueError(f"rng={rng!r:.60}: expected an int seed or one PRNG key "
+                     "(jax.random.key(seed))")
 
 
 def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
@@ -300,14 +430,16 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
                                              "diagnostics", "prefill_chunk", "correct_every",
-                                             "draft_tokens"))
+                                             "draft_tokens", "top_logprobs"))
 def _generate(model, input_ids, lengths, rng, **static):
     run = functools.partial(_generate_rows, **static)
     if model.mesh is None:
         return run(model, input_ids, lengths, rng)
     rows = sharding.batch_spec(model.mesh)
     counts = None if static["draft_tokens"] is None else rows
-    specs = GenerateOutput(rows, rows, None, counts, counts)
+    n = static["top_logprobs"]
+    specs = GenerateOutput(rows, rows, None, counts, counts, None if n is None else rows,
+                           None if not n else (rows, rows))
     if static["diagnostics"]:   # [steps, layers, B, ...]
         return sharding.spmd(run, model.mesh, (model, input_ids, lengths, rng),
                              lambda out: specs._replace(diagnostics=jax.tree.map(
@@ -316,7 +448,7 @@ def _generate(model, input_ids, lengths, rng, **static):
 
 
 def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-                   diagnostics, prefill_chunk, correct_every, draft_tokens):
+                   diagnostics, prefill_chunk, correct_every, draft_tokens, top_logprobs=None):
     """`_generate` over the rows of one data shard (all rows without a mesh)."""
     B, T = input_ids.shape
     # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
@@ -336,6 +468,8 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
     first = sample(logits, sub, sampling)
     tokens = jnp.full((B, max_new_tokens), pad, jnp.int32).at[:, 0].set(first)
     done = is_eos(first) if eos else jnp.zeros((B,), bool)
+    scores = None if top_logprobs is None else _record_logprobs(
+        _empty_logprobs(B, max_new_tokens, top_logprobs), 0, logits, first, top_logprobs)
     if draft_tokens is not None:
         return _speculative_loop(model, cache, tokens, done, key, plan=plan, sampling=sampling,
                                  eos_ids=eos_ids if eos else None, draft_tokens=draft_tokens)
@@ -350,7 +484,7 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
         return (step < max_new_tokens) & ~jnp.all(done)
 
     def body(s):
-        step, tokens, done, num, cache, key, diag = s
+        step, tokens, done, num, cache, key, diag, scores = s
         out = _decode_step(model, cache, tokens[:, step - 1], plan, diagnostics)
         logits, cache = out[0], out[1]
         if correct_every is not None:   # the cache now holds generated tokens 0 .. step-1
@@ -362,13 +496,40 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
         key, sub = jax.random.split(key)
         tok = jnp.where(done, pad, sample(logits, sub, sampling))
         tokens = tokens.at[:, step].set(tok)
+        if top_logprobs is not None:
+            scores = _record_logprobs(scores, step, logits, tok, top_logprobs, done)
         num = num + (~done).astype(jnp.int32)
         done = done | is_eos(tok) if eos else done
-        return step + 1, tokens, done, num, cache, key, diag
+        return step + 1, tokens, done, num, cache, key, diag, scores
 
-    state = (jnp.int32(1), tokens, done, jnp.ones((B,), jnp.int32), cache, key, diag)
-    _, tokens, _, num, _, _, diag = jax.lax.while_loop(cond, body, state)
-    return GenerateOutput(tokens, num, diag)
+    state = (jnp.int32(1), tokens, done, jnp.ones((B,), jnp.int32), cache, key, diag, scores)
+    _, tokens, _, num, _, _, diag, scores = jax.lax.while_loop(cond, body, state)
+    if scores is None:
+        return GenerateOutput(tokens, num, diag)
+    return GenerateOutput(tokens, num, diag, logprobs=scores[0],
+                          top_logprobs=scores[1] if top_logprobs else None)
+
+
+def _empty_logprobs(batch: int, steps: int, top: int):
+    """(chosen [B, steps] f32, (ids [B, steps, top] int32, log-probs [B, steps, top] f32))."""
+    return (jnp.zeros((batch, steps), jnp.float32),
+            (jnp.zeros((batch, steps, top), jnp.int32),
+             jnp.zeros((batch, steps, top), jnp.float32)))
+
+
+def _record_logprobs(scores, step, logits, chosen, top: int, done=None):
+    """`scores` with step `step` set from logits [B, vocab]: the log-softmax at the chosen
+    tokens [B] and the `top` largest (rows already `done`: left 0)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, chosen[:, None], axis=1)[:, 0]
+    keep = jnp.ones_like(picked, bool) if done is None else ~done
+    out = scores[0].at[:, step].set(jnp.where(keep, picked, 0.0))
+    ids, values = scores[1]
+    if top:
+        best, which = jax.lax.top_k(logp, top)
+        ids = ids.at[:, step].set(jnp.where(keep[:, None], which.astype(jnp.int32), 0))
+        values = values.at[:, step].set(jnp.where(keep[:, None], best, 0.0))
+    return out, (ids, values)
 
 
 # ---- lossless mode: draft with the method, verify densely -----------------------------------

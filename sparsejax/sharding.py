@@ -278,13 +278,14 @@ def _local_pages(fn):
     return run
 
 
-def allocate(config: ModelConfig, batch: int, capacity: int, *, mesh=None,
+def allocate(config: ModelConfig | Model, batch: int, capacity: int, *, mesh=None,
              **kwargs) -> PagedKVCache:
     """`sparsejax.cache.allocate`, laid out for tensor parallelism on `mesh` when one is given:
     created in place on its devices, each KV head stored `kv_copies` times when the mesh has
     more model ranks than KV heads."""
     if mesh is None:
         return cache.allocate(config, batch, capacity, **kwargs)
+    config, kwargs["dtype"] = cache.config_and_dtype(config, kwargs.get("dtype"))
     check_mesh(mesh, config, batch)
     make = lambda: cache.allocate(config, batch, capacity,  # noqa: E731
                                   kv_copies=kv_copies(config, mesh), **kwargs)

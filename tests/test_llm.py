@@ -19,11 +19,12 @@ def test_llm_round_trip_on_the_embedded_model():
     assert [tok(p)["input_ids"] for p in prompts] == [s.input_ids.tolist() for s in samples]
     llm = sparsejax.LLM(path, method="delta")
     answers = [tok.decode(s.answer_ids, skip_special_tokens=True) for s in samples]
-    assert llm.generate(prompts, max_new_tokens=8) == answers     # ragged, one batch
-    # the array API on the same prompts gives the same tokens
+    outputs = llm.generate(prompts, sparsejax.SamplingParams(max_tokens=8))   # ragged, one batch
+    assert [o.outputs[0].text for o in outputs] == answers
+    # the array API on the same prompts gives the same tokens (the method is the bucket's)
     ids, lengths = data.prompt_batch(samples)
     out = sparsejax.generate(llm.model, ids, lengths=lengths, max_new_tokens=8,
-                             method=llm.method_for(int(lengths.max())))
+                             method=llm.method_for(sparsejax.bucket_length(int(lengths.max()))))
     assert [tok.decode(t[:n], skip_special_tokens=True) for t, n in
             zip(np.asarray(out.tokens), np.asarray(out.num_generated))] == answers
     with pytest.raises(ValueError, match="'h2o'"):

@@ -43,8 +43,7 @@ def test_bf16_load_close_to_fp32(checkpoints):
     path, _ = checkpoints["llama-gqa-llama3rope-tied"]
     ids = np.random.default_rng(1).integers(0, 97, (2, 16))
     f32 = np.asarray(sparsejax.logits(sparsejax.from_pretrained(path, dtype=jnp.float32), ids))
-    bf16_model = sparsejax.from_pretrained(path)
-    assert bf16_model.dtype == jnp.bfloat16
+    bf16_model = sparsejax.from_pretrained(path, dtype=jnp.bfloat16)
     bf16 = np.asarray(sparsejax.logits(bf16_model, ids))
     rel = np.linalg.norm(bf16 - f32) / np.linalg.norm(f32)
     assert rel <= 2e-2
