@@ -5,9 +5,17 @@
                              method=sparsejax.methods.DELTA())
     sparsejax.LLM("path/to/hf-checkpoint", method="delta").generate(["..."])   # text to text
 """
+import sys as _sys
 from pathlib import Path
 
-from sparsejax import methods
+# Run as the command line (`sparsejax ...`, `python -m sparsejax ...`): Ctrl-C while the
+# imports below run ends the program cleanly (see files.guard_startup).
+if (_sys.argv and Path(_sys.argv[0]).name == "sparsejax") or "-m sparsejax " in (
+        " ".join(getattr(_sys, "orig_argv", [])[:4]) + " "):
+    from sparsejax.files import guard_startup
+    guard_startup()
+
+from sparsejax import methods  # noqa: E402
 from sparsejax.cache import PagedKVCache
 from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
                                 prefill, sample)
