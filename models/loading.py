@@ -112,7 +112,7 @@ def _tensor_files(path: Path, allow_outside: bool = False) -> dict[str, Path]:
             raise ValueError(f"{index} has weight_map={weight_map!r:.80}: expected an object "
                              "from tensor names to shard file names")
         shards = {f: _checkpoint_file(path, f, allow_outside=allow_outside)
-                  for f in set(weight_map.values())}
+                  for f in sorted(set(weight_map.values()))}
         return {name: shards[f] for name, f in weight_map.items()}
     if single.exists() or single.is_symlink():
         single = _checkpoint_file(path, single.name, allow_outside=allow_outside)
