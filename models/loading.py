@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -289,6 +290,21 @@ def hf_state_dict(model: Model) -> dict[str, np.ndarray]:
     return out
 
 
+def _save_file(tensors: dict, file: Path, checkpoint: Path) -> None:
+    """safetensors' save_file; its I/O errors (a Rust error carrying the OS code, e.g. 28 for
+    a full disk) become an OSError naming the checkpoint being written."""
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:    # noqa: BLE001 (SafetensorError has no importable common base)
+        code = re.search(r"os error (\d+)|code: (\d+)", str(e))
+        if code is None:
+            raise
+        number = int(code.group(1) or code.group(2))
+        raise OSError(number, os.strerror(number), str(checkpoint)) from None
+
+
 def save_pretrained(model: Model, path: str | Path, *, max_shard_bytes: int | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`).
 
@@ -312,13 +328,13 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_bytes: int | No
         config["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            _save_file(shards[0], tmp / "model.safetensors", path)
         else:
             weight_map = {}
             total = sum(w.nbytes for w in tensors.values())
             for n, shard in enumerate(shards, 1):
                 fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                _save_file(shard, tmp / fname, path)
                 weight_map.update({name: fname for name in shard})
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
