@@ -232,6 +232,10 @@ def _failure(command: str, e: BaseException) -> tuple[str, int]:
         "SPARSEJAX_DEBUG=1 for the traceback)", 1
 
 
+STOPPED = ("interrupted by {signal}: stopped; no output was written or replaced after the "
+           "signal (files already there are as they were)")
+
+
 def main(argv=None) -> int:
     """Run a command; returns its exit status (2 for a usage or input error, 1 for a file,
     disk or internal error, 128 + the signal when SIGINT or SIGTERM stopped it). Every failure
@@ -250,8 +254,8 @@ def main(argv=None) -> int:
     command = next((a for a in argv if not a.startswith("-")), "")
 
     def stop(e: files.Interrupted):
-        print(f"sparsejax {command}: interrupted by {e.name}: stopped, nothing written (outputs "
-              "already there are unchanged)", file=sys.stderr, flush=True)
+        print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr,
+              flush=True)
         sys.stdout.flush()
         os._exit(e.status)
 
@@ -267,8 +271,7 @@ def main(argv=None) -> int:
             files.mark_handled()
             if as_program:
                 stop(e)
-            print(f"sparsejax {command}: interrupted by {e.name}: stopped, nothing written",
-                  file=sys.stderr)
+            print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr)
             return e.status
         except Exception as e:     # noqa: BLE001 (the one place failures become messages)
             line, status = _failure(command, e)
