@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
 import warnings
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,26 @@ class ModelConfig:
         if self.rope_scaling[0] not in ROPE_TYPES:
             raise ValueError(f"rope_scaling type {self.rope_scaling[0]!r} is not supported: "
                              f"expected one of {ROPE_TYPES}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}={value!r}: expected a finite number > 0")
+        for name in ("max_position_embeddings", "sliding_window"):
+            value = getattr(self, name)
+            if (value is not None or name == "max_position_embeddings") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r}: expected a positive int")
+        for name in ("tie_word_embeddings", "qkv_bias", "o_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected true or false")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            ids = value if isinstance(value, tuple) else () if value is None else (value,)
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                       and 0 <= i < self.vocab_size for i in ids):
+                raise ValueError(f"{name}={value!r}: expected token ids in [0, "
+                                 f"{self.vocab_size}) (the vocabulary), or none")
 
     @property
     def group_size(self) -> int:
@@ -89,13 +111,17 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         if not isinstance(d, dict):
             raise ValueError(f"config.json holds a {type(d).__name__}: expected a JSON object")
-        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
-        if missing:
-            raise ValueError(f"config.json is missing {missing}")
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json model_type={model_type!r} is not supported: "
                              f"expected one of {MODEL_TYPES}")
+        missing = [k for k in REQUIRED_FIELDS if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json is missing {missing}")
+        for name in ("tie_word_embeddings", "attention_bias"):
+            if d.get(name) is not None and not isinstance(d[name], bool):
+                raise ValueError(f"config.json {name}={d[name]!r}: expected true or false "
+                                 "(a JSON boolean, not a string)")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"config.json hidden_act={act!r}: only 'silu' (SwiGLU) is supported")
@@ -121,7 +147,7 @@ class ModelConfig:
         if layer_types and any(t != "full_attention" for t in layer_types):
             raise ValueError(f"config.json layer_types={sorted(set(layer_types))}: only "
                              "'full_attention' layers are supported")
-        attention_bias = bool(d.get("attention_bias", False))
+        attention_bias = d.get("attention_bias") or False
         eos, pad = d.get("eos_token_id"), d.get("pad_token_id")
         return cls(
             model_type=model_type,
@@ -136,11 +162,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=d.get("tie_word_embeddings") or False,
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type == "llama" and attention_bias,
             qk_norm=model_type == "qwen3",
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
             sliding_window=sliding_window,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -150,6 +176,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         """The config of an HF `config.json`; errors name the file."""
+        check_regular_file(path, MAX_JSON_BYTES)
         try:
             d = json.loads(Path(path).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -191,6 +218,25 @@ class ModelConfig:
         if self.model_type == "mistral":
             d["sliding_window"] = self.sliding_window
         return d
+
+
+MAX_JSON_BYTES = 16 << 20    # a checkpoint's JSON files (config, index) are far smaller
+
+
+def check_regular_file(path: str | Path, max_bytes: int | None = None) -> int:
+    """The size of `path`, a regular file (symlinks followed); ValueError naming it when it is
+    missing, a device or FIFO (reading one blocks or never ends), or larger than `max_bytes`."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"{path} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): "
+                         "expected a checkpoint file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise ValueError(f"{path} holds {st.st_size / 2**20:.1f} MiB: expected at most "
+                         f"{max_bytes / 2**20:g} MiB for this file")
+    return st.st_size
 
 
 def _read_rope(d: dict[str, Any]) -> tuple[float, tuple[str, tuple[tuple[str, float], ...]]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -19,7 +20,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from .config import ModelConfig
+from .config import MAX_JSON_BYTES, ModelConfig, check_regular_file
 from .decoder import Model, Params, fuse_layer, layer_params, param_shapes, split_layer
 
 # HF tensors that carry no parameters (older checkpoints store RoPE buffers).
@@ -68,28 +69,61 @@ def _hf_shape(fn, ours_shape):
 
 
 # ---- reading --------------------------------------------------------------------------------
-def _tensor_files(path: Path) -> dict[str, Path]:
+def _checkpoint_root(path: Path) -> Path:
+    """The directory a checkpoint's files must resolve into: the checkpoint directory, or for
+    a Hugging Face cache snapshot (whose files link to ../../blobs) its repository folder."""
+    root = path.resolve()
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent
+    return root
+
+
+def _checkpoint_file(path: Path, name: str, *, allow_outside: bool = False,
+                     max_bytes: int | None = None) -> Path:
+    """The checkpoint file `name` (as written in the checkpoint: relative to `path`) resolved,
+    checked to be a regular file (a FIFO or device would block or never end) that stays inside
+    the checkpoint (`_checkpoint_root`) unless `allow_outside`: an index or symlink must not
+    make the loader read files from elsewhere on the machine."""
+    file = (path / name).resolve()
+    if not allow_outside:
+        root = _checkpoint_root(path)
+        if not file.is_relative_to(root):
+            raise ValueError(f"checkpoint {path}: {name} resolves to {file}, outside the "
+                             f"checkpoint directory {root}; pass allow_outside=True to read "
+                             "files from there")
+    if not file.exists():
+        raise ValueError(f"checkpoint {path}: {name} does not exist")
+    try:
+        check_regular_file(file, max_bytes)
+    except ValueError as e:
+        raise ValueError(f"checkpoint {path}: {name}: {e}") from None
+    return file
+
+
+def _tensor_files(path: Path, allow_outside: bool = False) -> dict[str, Path]:
     """HF tensor name -> safetensors file holding it."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
-    if index.exists():
+    if index.exists() or index.is_symlink():
+        index = _checkpoint_file(path, index.name, allow_outside=allow_outside,
+                                 max_bytes=MAX_JSON_BYTES)
         weight_map = _json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
                 isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index} has weight_map={weight_map!r:.80}: expected an object "
                              "from tensor names to shard file names")
-        files = {name: path / f for name, f in weight_map.items()}
-        for f in set(files.values()):
-            if not f.exists():
-                raise ValueError(f"{index} lists shard {f.name}, which does not exist")
-        return files
-    if single.exists():
+        shards = {f: _checkpoint_file(path, f, allow_outside=allow_outside)
+                  for f in sorted(set(weight_map.values()))}
+        return {name: shards[f] for name, f in weight_map.items()}
+    if single.exists() or single.is_symlink():
+        single = _checkpoint_file(path, single.name, allow_outside=allow_outside)
         return {name: single for name in _open(single).keys()}
     raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def _json_object(file: Path) -> dict:
     """The JSON object in `file`, or a ValueError naming the file."""
+    check_regular_file(file, MAX_JSON_BYTES)
     try:
         obj = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -109,14 +143,15 @@ def _open(file: Path):
 
 
 def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
-                check_finite: bool = True) -> Params:
+                check_finite: bool = True, allow_outside: bool = False) -> Params:
     """Params of the checkpoint at `path` in `dtype` (a float dtype). Refuses non-float
-    tensors and, with `check_finite`, names the first tensor holding NaN or inf (in `dtype`)."""
+    tensors and, with `check_finite`, names the first tensor holding NaN or inf (in `dtype`).
+    Reads only regular files inside `path` unless `allow_outside` (see `from_pretrained`)."""
     path = Path(path)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype={jnp.dtype(dtype).name}: expected a float dtype such as "
                          "jnp.bfloat16 or jnp.float32")
-    files = _tensor_files(path)
+    files = _tensor_files(path, allow_outside)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
     shapes = param_shapes(config)
     layout = _hf_layout(config)
@@ -215,14 +250,17 @@ def resolve_dtype(dtype, path: str | Path):
     return resolved
 
 
-def generation_config(path: str | Path) -> dict:
+def generation_config(path: str | Path, *, allow_outside: bool = False) -> dict:
     """The checkpoint's generation_config.json as a dict ({} where there is none)."""
     file = Path(path) / "generation_config.json"
-    return _json_object(file) if file.exists() else {}
+    if not (file.exists() or file.is_symlink()):
+        return {}
+    return _json_object(_checkpoint_file(Path(path), file.name, allow_outside=allow_outside,
+                                         max_bytes=MAX_JSON_BYTES))
 
 
 def from_pretrained(path_or_id: str | Path, *, dtype="auto",
-                    check_finite: bool = True) -> Model:
+                    check_finite: bool = True, allow_outside: bool = False) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
     a `Model`. The EOS and pad tokens of `generation_config.json`, when there is one, override
     config.json's, as in transformers' `generate`.
@@ -231,12 +269,17 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
     where it names none), as transformers' `torch_dtype="auto"` and vLLM do; or a float dtype.
     check_finite: scan every weight once and refuse NaN or inf, naming the first tensor that
     holds one (a damaged or diverged checkpoint would otherwise decode NaN).
+    allow_outside: read files that resolve outside the checkpoint directory (a shard index
+    naming ../other/x.safetensors, a symlink to elsewhere); refused by default. Only regular
+    files are read, and JSON files of at most 16 MiB.
     """
     path = checkpoint_dir(path_or_id)
-    if not (path / "config.json").exists():
+    if not ((path / "config.json").exists() or (path / "config.json").is_symlink()):
         raise ValueError(f"{path} has no config.json")
-    config = ModelConfig.from_json(path / "config.json")
-    generation = generation_config(path)
+    config = ModelConfig.from_json(_checkpoint_file(path, "config.json",
+                                                    allow_outside=allow_outside,
+                                                    max_bytes=MAX_JSON_BYTES))
+    generation = generation_config(path, allow_outside=allow_outside)
     eos, pad = generation.get("eos_token_id"), generation.get("pad_token_id")
     if eos is not None:
         config = dataclasses.replace(config, eos_token_id=tuple(eos) if isinstance(eos, list)
@@ -245,7 +288,8 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
         config = dataclasses.replace(config, pad_token_id=pad[0] if isinstance(pad, list)
                                      else pad)
     return Model(config=config, params=load_params(path, config, resolve_dtype(dtype, path),
-                                                   check_finite=check_finite))
+                                                   check_finite=check_finite,
+                                                   allow_outside=allow_outside))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -255,8 +299,11 @@ def load_tokenizer(path_or_id: str | Path):
     """The checkpoint's tokenizer through transformers' AutoTokenizer (a directory, or a Hub id
     through the local cache as `from_pretrained` resolves it)."""
     path = checkpoint_dir(path_or_id)
-    if not any((path / name).exists() for name in TOKENIZER_FILES):
+    present = [name for name in TOKENIZER_FILES if (path / name).exists()]
+    if not present:
         raise ValueError(f"{path} holds no tokenizer: expected one of {TOKENIZER_FILES}")
+    for name in present:     # a FIFO or device there would block the tokenizer's reader
+        check_regular_file(path / name)
     from transformers import AutoTokenizer
 
     try:
@@ -284,6 +331,21 @@ def hf_state_dict(model: Model) -> dict[str, np.ndarray]:
     return out
 
 
+def _save_file(tensors: dict, file: Path, checkpoint: Path) -> None:
+    """safetensors' save_file; its I/O errors (a Rust error carrying the OS code, e.g. 28 for
+    a full disk) become an OSError naming the checkpoint being written."""
+    try:
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:    # noqa: BLE001 (SafetensorError has no importable common base)
+        code = re.search(r"os error (\d+)|code: (\d+)", str(e))
+        if code is None:
+            raise
+        number = int(code.group(1) or code.group(2))
+        raise OSError(number, os.strerror(number), str(checkpoint)) from None
+
+
 def save_pretrained(model: Model, path: str | Path, *, max_shard_bytes: int | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index past `max_shard_bytes`).
 
@@ -307,13 +369,13 @@ def save_pretrained(model: Model, path: str | Path, *, max_shard_bytes: int | No
         config["torch_dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            _save_file(shards[0], tmp / "model.safetensors", path)
         else:
             weight_map = {}
             total = sum(w.nbytes for w in tensors.values())
             for n, shard in enumerate(shards, 1):
                 fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                _save_file(shard, tmp / fname, path)
                 weight_map.update({name: fname for name in shard})
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

@@ -6,9 +6,17 @@
     llm = sparsejax.LLM("path/to/hf-checkpoint", method="delta")                # text to text
     llm.generate(["..."], sparsejax.SamplingParams(max_tokens=64))[0].outputs[0].text
 """
+import sys as _sys
 from pathlib import Path
 
-from sparsejax import methods
+# Run as the command line (`sparsejax ...`, `python -m sparsejax ...`): Ctrl-C while the
+# imports below run ends the program cleanly (see files.guard_startup).
+if (_sys.argv and Path(_sys.argv[0]).name == "sparsejax") or "-m sparsejax " in (
+        " ".join(getattr(_sys, "orig_argv", [])[:4]) + " "):
+    from sparsejax.files import guard_startup
+    guard_startup()
+
+from sparsejax import methods  # noqa: E402
 from sparsejax.cache import PagedKVCache
 from sparsejax.generate import (GenerateOutput, Sampling, bucket_length, compile_generate,
                                 decode_step, enable_compilation_cache, generate, prefill, sample)

@@ -180,7 +180,12 @@ def load_calibration(path, kind: str, model=None) -> dict:
     if calib.get("method") != kind:
         raise ValueError(f"calibration file {path} is for method {calib.get('method')!r}: "
                          f"expected {kind!r}")
-    calib["origin"] = Origin(str(path), Fingerprint.from_json(calib.get("model")))
+    found = Fingerprint.from_json(calib.get("model"))
+    if found is None:     # every file `save_calibration` writes has one
+        raise ValueError(f"calibration file {path} has no readable model fingerprint (field "
+                         "'model'): it cannot be checked against the model; run `sparsejax "
+                         "calibrate` again for this model")
+    calib["origin"] = Origin(str(path), found)
     if model is not None:
         calib["origin"].check(model, "calibration file")
     return calib
@@ -260,6 +265,11 @@ def _from_json(path: Path, threshold: float) -> dict:
             for r in rows)):
         raise ValueError(f"{path} field retrieval_heads={str(rows):.80}: expected "
                          "[layers][kv_heads] booleans, every row as long")
+    if record["format"] == GATES_FORMAT and Fingerprint.from_json(record.get("fingerprint")) \
+            is None:    # every file `save_gates` writes has one
+        raise ValueError(f"gate file {path} has no readable model fingerprint (field "
+                         "'fingerprint'): it cannot be checked against the model; train the "
+                         "gates again (`sparsejax train-gates`)")
     return record
 
 
@@ -268,6 +278,11 @@ def _from_tsv(path: Path, threshold: float) -> dict:
         scores = np.loadtxt(path, dtype=np.float64, delimiter="\t", ndmin=2)
     except ValueError as e:   # ragged rows, or cells that are not numbers
         raise ValueError(f"gate file {path} is not a table of scores: {e}") from None
+    bad = np.argwhere(~np.isfinite(scores))
+    if bad.size:
+        raise ValueError(f"gate file {path} holds {len(bad)} NaN or infinite scores (first at "
+                         f"layer {bad[0][0]}, KV head {bad[0][1]}): expected a score in [0, 1] "
+                         "for every head")
     return {"retrieval_heads": np.clip(scores, 0, 1) >= threshold}
 
 
@@ -286,8 +301,16 @@ def _from_reference(path: Path, threshold: float) -> dict:
     def read(name):
         if not (directory / name).exists():
             raise ValueError(f"{directory} has no {name}: expected full_head.pt, or a.pt and b.pt")
-        return torch.load(directory / name, map_location="cpu",
-                          weights_only=True).detach().float().numpy()
+        try:
+            tensor = torch.load(directory / name, map_location="cpu", weights_only=True)
+        except Exception as e:    # noqa: BLE001 (torch's unpickling errors share no base)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"gate file {directory / name} is not a plain tensor file torch "
+                             f"loads with weights_only=True ({first[:120]})") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"gate file {directory / name} holds a {type(tensor).__name__}: "
+                             "expected one tensor")
+        return tensor.detach().float().numpy()
 
     if (directory / "full_head.pt").exists():
         return {"retrieval_heads": read("full_head.pt") > 0.5}

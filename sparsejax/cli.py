@@ -6,8 +6,10 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import sys
 import time
+import traceback
 
 from sparsejax.arguments import nonnegative_float, positive_int, ratio
 
@@ -97,6 +99,23 @@ def method_from_args(args, model, context: int, model_dir=None):
     return method
 
 
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)     # what jax.random.key takes
+
+
+def check_sampling_args(args) -> None:
+    """Refuse sampling flags that would do nothing, and a seed the PRNG cannot take."""
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise ValueError(f"--seed {args.seed}: expected an integer in [-2**63, 2**63 - 1]")
+    if args.temperature == 0:
+        given = [f"{flag} {value}" for flag, value in (("--top-k", args.top_k),
+                                                       ("--top-p", args.top_p))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} only shape sampling, and --temperature 0 "
+                             "(the default) decodes greedily: add --temperature (e.g. 0.7) or "
+                             "leave them out")
+
+
 def cmd_generate(args) -> int:
     import jax
     import jax.numpy as jnp
@@ -107,6 +126,7 @@ def cmd_generate(args) -> int:
     from sparsejax.evaluation import speed_note
 
     method_options(args)                      # before loading anything
+    check_sampling_args(args)
     mesh = sharding.tensor_parallel_mesh(args.tp)
     model_dir = args.model or sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype={"auto": "auto", "bf16": jnp.bfloat16,
@@ -187,20 +207,77 @@ class _StderrHandler(logging.Handler):
 _LOG_HANDLER = _StderrHandler()
 
 
+def _debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """--debug anywhere on the line (or SPARSEJAX_DEBUG=1): failures show their traceback."""
+    flag = "--debug" in argv
+    return flag or os.environ.get("SPARSEJAX_DEBUG", "") not in ("", "0"), \
+        [a for a in argv if a != "--debug"]
+
+
+def _failure(command: str, e: BaseException) -> tuple[str, int]:
+    """(one line, exit status) for a failure: 2 for bad input, 1 for the environment (files,
+    disk, memory) or an internal error."""
+    from sparsejax.files import strerror_of
+    from sparsejax.train.checkpoints import CheckpointSaveError
+
+    prefix = f"sparsejax {command}: error: "
+    if isinstance(e, (ValueError, CheckpointSaveError)):
+        return prefix + " ".join(str(e).split("\n")), 2
+    if isinstance(e, OSError):
+        return prefix + strerror_of(e), 1
+    if isinstance(e, MemoryError):
+        return prefix + "out of memory (a smaller --batch, --context or model?)", 1
+    text = " ".join(str(e).split("\n"))[:300]
+    if "RESOURCE_EXHAUSTED" in text or "os error 28" in text or "No space left" in text:
+        return prefix + f"out of space or memory: {text}", 1
+    return prefix + f"{type(e).__name__}: {text} (internal error: run with --debug or " \
+        "SPARSEJAX_DEBUG=1 for the traceback)", 1
+
+
+STOPPED = ("interrupted by {signal}: stopped; no output was written or replaced after the "
+           "signal (files already there are as they were)")
+
+
 def main(argv=None) -> int:
-    """Run a command; returns its exit status (2 for a usage or input error)."""
+    """Run a command; returns its exit status (2 for a usage or input error, 1 for a file,
+    disk or internal error, 128 + the signal when SIGINT or SIGTERM stopped it). Every failure
+    is one line on stderr (with --debug or SPARSEJAX_DEBUG=1, also its traceback). A stopped
+    run writes nothing: outputs already there are left as they were. Run as the program
+    (argv None), it then exits at once, skipping the interpreter's teardown, which can crash
+    while XLA threads are still compiling."""
+    from sparsejax import files
+
     log = logging.getLogger("sparsejax")
     if _LOG_HANDLER not in log.handlers:     # progress on stderr; results stay on stdout
         log.addHandler(_LOG_HANDLER)
         log.setLevel(logging.INFO)
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:        # argparse has printed the usage error (or the help)
-        return e.code
-    from sparsejax.train.checkpoints import CheckpointSaveError
-    try:
-        return args.func(args)
-    except (ValueError, CheckpointSaveError) as e:
-        print(f"sparsejax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    as_program = argv is None
+    debug, argv = _debug(sys.argv[1:] if argv is None else list(argv))
+    command = next((a for a in argv if not a.startswith("-")), "")
+
+    def stop(e: files.Interrupted):
+        print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(e.status)
+
+    with files.handle_signals(on_timeout=stop if as_program else None):
+        try:
+            parser = build_parser()
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as e:        # argparse has printed the usage error (or the help)
+                return e.code
+            return args.func(args)
+        except files.Interrupted as e:
+            files.mark_handled()
+            if as_program:
+                stop(e)
+            print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr)
+            return e.status
+        except Exception as e:     # noqa: BLE001 (the one place failures become messages)
+            line, status = _failure(command, e)
+            if debug:
+                traceback.print_exc()
+            print(line, file=sys.stderr)
+            return status

@@ -54,6 +54,9 @@ def parse_methods(spec: str) -> list[str]:
     """'dense,delta+resa,kascade+spec,...' -> names; each a `methods.REGISTRY` name, optionally
     with '+resa' and then '+spec' (lossless mode)."""
     names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names:
+        raise ValueError(f"--methods {spec!r}: expected at least one of {tuple(M.REGISTRY)}, "
+                         "comma-separated")
     for name in names:
         base = name.removesuffix(SPEC).removesuffix(RESA)
         if base not in M.REGISTRY or (base == "dense" and name != base):
@@ -442,12 +445,14 @@ def budget_ratios(args, context: int) -> list[float]:
 
 def run(args) -> int:
     import sparsejax
-    from sparsejax.files import check_writable, write_text_atomic
+    from sparsejax.files import check_outputs, write_text_atomic
     from sparsejax.train import data
 
-    outputs = {flag: check_writable(path, flag) for flag, path in
-               (("--json", args.json), ("--plot", args.plot)) if path}
+    outputs = check_outputs({"--json": args.json, "--plot": args.plot})
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError(f"--task {args.task!r}: expected some of {data.TASKS}, "
+                         "comma-separated")
     for t in tasks:
         if t not in data.TASKS:
             raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")

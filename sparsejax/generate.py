@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -60,6 +61,7 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
     """
     input_ids = token_ids(input_ids, model.config.vocab_size)
     lengths = prompt_lengths(lengths, *input_ids.shape)
+    plan.check_model(model.config)
     model = _placed(model, mesh, input_ids.shape[0])
     if model.mesh is not None:
         return sharding.spmd(functools.partial(_prefill, plan=plan, chunk=chunk), model.mesh,
@@ -87,6 +89,7 @@ def decode_step(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, plan: S
     Returns (logits [B, vocab] f32, cache[, per-layer diagnostics]). `mesh`: as in `prefill`.
     """
     tokens = token_ids(tokens, model.config.vocab_size, "tokens")
+    _check_step(model, cache, plan)
     model = _placed(model, mesh, tokens.shape[0])
     if model.mesh is not None:
         rows = sharding.batch_spec(model.mesh)
@@ -336,6 +339,10 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
     if temperature > 0 and rng is None:
         raise ValueError("temperature > 0 samples: pass a PRNG key or an int seed as rng= "
                          "(or seed=)")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        warnings.warn(f"top_k={top_k}, top_p={top_p} have no effect at temperature=0 (greedy "
+                      "decoding); pass temperature > 0 to sample", stacklevel=3)
+    _check_eos(eos_token_id, model.config.vocab_size)
     plan = as_plan(method, model.config, page_size)
     host_lengths = None if isinstance(lengths, jax.core.Tracer) else np.asarray(lengths)
     model.config.check_context((T if host_lengths is None else int(host_lengths.max()))
@@ -409,6 +416,33 @@ def prng_key(rng, seed=None):
             return jax.random.wrap_key_data(rng)
     raise ValueError(f"rng={rng!r:.60}: expected an int seed or one PRNG key "
                      "(jax.random.key(seed))")
+
+
+def _check_eos(eos_token_id, vocab_size: int) -> None:
+    """eos_token_id: None, an int or a sequence of ints, each a token id in [0, vocab)."""
+    if eos_token_id is None:
+        return
+    ids = (list(eos_token_id) if isinstance(eos_token_id, (list, tuple, np.ndarray))
+           else [eos_token_id])
+    if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+               and 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"eos_token_id={eos_token_id!r}: expected None, a token id or token "
+                         f"ids in [0, {vocab_size}) (the vocabulary)")
+
+
+def _check_step(model: Model, cache: kv.PagedKVCache, plan: SparsePlan) -> None:
+    """A decode step's plan must be this model's, and the cache must have room for one more
+    token per row. The room is checked where the lengths are concrete (an eager call); inside
+    a jit they cannot be read, and a step past capacity loses the new token's K/V (`generate`
+    allocates prompt + new tokens, so it never gets there)."""
+    plan.check_model(model.config)
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return
+    longest = int(np.max(np.asarray(cache.lengths)))
+    if longest + 1 > cache.capacity:
+        raise ValueError(f"decode_step: a row holds {longest} tokens and the cache's capacity is "
+                         f"{cache.capacity} ({cache.page_table.shape[1]} pages of "
+                         f"{cache.page_size}): no room for one more; allocate more pages")
 
 
 def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:

@@ -88,11 +88,28 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name}={value!r}: expected a finite number > 0")
 
 
+def _layer_tuple(name: str, layers, *, empty: bool = True) -> tuple[int, ...]:
+    """`layers` as a tuple of ints; ValueError for a string ("35" is not layers 3 and 5), a
+    float, a bool, or (unless `empty`) no layers at all."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, np.ndarray)):
+        raise ValueError(f"{name}={layers!r}: expected a tuple of layer indices (ints)")
+    bad = [i for i in layers if isinstance(i, (bool, np.bool_))
+           or not isinstance(i, (int, np.integer))]
+    if bad:
+        raise ValueError(f"{name}={tuple(layers)!r}: {bad} are not layer indices (ints)")
+    if not layers and not empty:
+        raise ValueError(f"{name}=(): expected at least one layer")
+    return tuple(int(i) for i in layers)
+
+
 def _scale_layers(layers, num_layers: int, reference: int = 28) -> tuple[int, ...]:
     """Map layer indices chosen for a `reference`-deep model onto `num_layers`.
 
     Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth and are
     kept strictly increasing; any that fall off the end are dropped."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or (
+            num_layers < 1):
+        raise ValueError(f"scaled_to(num_layers={num_layers!r}): expected an int >= 1")
     out: list[int] = []
     for i in sorted(layers):
         j = i if i <= 2 else round(i * (num_layers - 1) / (reference - 1))
@@ -232,6 +249,10 @@ class DELTA:
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
+        object.__setattr__(self, "dense_layers", _layer_tuple("DELTA dense_layers",
+                                                              self.dense_layers))
+        object.__setattr__(self, "delta_layers", _layer_tuple("DELTA delta_layers",
+                                                              self.delta_layers, empty=False))
         check_page_size(self.page_size)
         _positive("DELTA budget_pages", self.budget_pages)
         if not 0 <= self.recent_pages <= self.budget_pages:
@@ -344,6 +365,9 @@ class Lychee:
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
+        if self.gates is not None and self.retrieval_heads is not None:
+            raise ValueError("Lychee got both retrieval_heads and gates=: give one (gates=PATH "
+                             "is the same as retrieval_heads=PATH)")
         source = self.gates if self.gates is not None else self.retrieval_heads
         if source is None:
             raise ValueError("Lychee needs retrieval_heads=[layers, kv_heads] bools or gates=PATH")

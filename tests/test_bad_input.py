@@ -4,10 +4,15 @@ One test per kind of bad input, each asserting the exception type and that the m
 the offending argument or file, with the valid call beside it as the control where that is
 cheap. Checkpoints are built the way tests/hf_checkpoints.py builds them, but tiny.
 """
+import dataclasses
 import json
 import logging
 import math
+import os
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import warnings
@@ -433,7 +438,8 @@ def test_malformed_gate_json(tmp_path, text, match):
     with pytest.raises(ValueError, match=f"{path} {match}|gate file {path} {match}"):
         artifacts.load_retrieval_heads(path)
     path.write_text(json.dumps({"format": artifacts.GATES_FORMAT,
-                                "retrieval_heads": [[True, False], [False, True]]}))
+                                "retrieval_heads": [[True, False], [False, True]],
+                                "fingerprint": artifacts.fingerprint(CFG).to_json()}))
     np.testing.assert_array_equal(artifacts.load_retrieval_heads(path), [[1, 1], [0, 1]])
 
 
@@ -448,3 +454,328 @@ def test_missing_calibration_file(model, tmp_path):
     path = tmp_path / "missing.json"
     with pytest.raises(ValueError, match=f"calibration file {path} cannot be read: No such file"):
         M.DELTA.from_calibration(path, model)
+
+
+def test_gates_and_calibration_files_need_their_fingerprint(model, tmp_path):
+    """A file of this project's formats without its model fingerprint could be planned for any
+    model: refused. (DuoAttention's TSV and the reference code's .pt carry none: read.)"""
+    path = tmp_path / "gates.json"
+    path.write_text(json.dumps({"format": artifacts.GATES_FORMAT,
+                                "retrieval_heads": [[True, False], [False, True]]}))
+    with pytest.raises(ValueError, match=f"gate file {path} has no readable model fingerprint"):
+        M.Lychee(gates=str(path))
+    calib = tmp_path / "delta.json"
+    artifacts.save_calibration(calib, model, method="delta", layers=[1], curves={},
+                               settings={})
+    assert M.DELTA.from_calibration(calib, model).delta_layers == (1,)     # the control
+    _edit_json(calib, lambda d: {k: v for k, v in d.items() if k != "model"})
+    with pytest.raises(ValueError, match=f"calibration file {calib} has no readable model "
+                                         "fingerprint"):
+        M.DELTA.from_calibration(calib)
+
+
+def test_nan_scores_in_a_duoattention_tsv_are_refused(tmp_path):
+    path = tmp_path / "full_attention_heads.tsv"
+    path.write_text("1\t1\n0.2\tnan\n0.9\t0.1\n")
+    with pytest.raises(ValueError, match=r"holds 1 NaN or infinite scores \(first at layer 1, "
+                                         r"KV head 1\)"):
+        artifacts.load_retrieval_heads(path)
+    path.write_text("1\t1\n0.2\t0.7\n0.9\t0.1\n")
+    np.testing.assert_array_equal(artifacts.load_retrieval_heads(path),
+                                  [[1, 1], [0, 1], [1, 0]])
+
+
+# ---- method constructors --------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(delta_layers=()), r"DELTA delta_layers=\(\): expected at least one layer"),
+    (dict(delta_layers="35"), "DELTA delta_layers='35': expected a tuple of layer indices"),
+    (dict(delta_layers=(2.7,)), r"DELTA delta_layers=\(2.7,\): \[2.7\] are not layer indices"),
+    (dict(delta_layers=(True,)), "are not layer indices"),
+    (dict(dense_layers="01"), "DELTA dense_layers='01'"),
+])
+def test_delta_layers_must_be_a_tuple_of_ints(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        M.DELTA(**kwargs)
+    assert M.DELTA(delta_layers=[1, np.int64(3)]).delta_layers == (1, 3)   # lists, numpy ints
+
+
+@pytest.mark.parametrize("num_layers", [0, -3, 2.0, True])
+def test_scaled_to_needs_a_positive_depth(num_layers):
+    for method in (M.DELTA(), M.Kascade(), M.TidalDecode()):
+        with pytest.raises(ValueError, match=r"scaled_to\(num_layers="):
+            method.scaled_to(num_layers)
+    assert M.DELTA().scaled_to(32).delta_layers == (2, 16, 25)
+
+
+def test_lychee_takes_heads_or_gates_not_both(tmp_path):
+    path = tmp_path / "heads.tsv"
+    path.write_text("1\t1\n0\t1\n")
+    with pytest.raises(ValueError, match="Lychee got both retrieval_heads and gates="):
+        M.Lychee([[True, True], [False, False]], gates=str(path))
+    assert M.Lychee(gates=str(path)).retrieval_heads == ((True, True), (False, True))
+
+
+# ---- config.json values ---------------------------------------------------------------------
+@pytest.mark.parametrize("changes,match", [
+    (dict(model_type="gpt2", hidden_size=None),
+     r"model_type='gpt2' is not supported: expected one of \('llama'"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings='false': expected true or false"),
+    (dict(attention_bias="no"), "attention_bias='no': expected true or false"),
+    (dict(rope_theta=0), "rope_theta=0.0: expected a finite number > 0"),
+    (dict(rope_theta=float("nan")), "rope_theta=nan"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps=-1e-06"),
+    (dict(max_position_embeddings=-5), "max_position_embeddings=-5: expected a positive int"),
+    (dict(eos_token_id=32), r"eos_token_id=32: expected token ids in \[0, 32\)"),
+    (dict(eos_token_id=2.5), "eos_token_id=2.5"),
+    (dict(eos_token_id=[2, -1]), r"eos_token_id=\(2, -1\)"),
+    (dict(bos_token_id=True), "bos_token_id=True"),
+])
+def test_config_values_are_checked(changes, match):
+    d = {**CFG.to_hf_dict(), "eos_token_id": 2}
+    assert ModelConfig.from_hf_dict(d).tie_word_embeddings is False       # the control
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict({**d, **changes})
+
+
+def test_config_null_booleans_are_false():
+    d = {**CFG.to_hf_dict(), "tie_word_embeddings": None, "attention_bias": None}
+    c = ModelConfig.from_hf_dict(d)
+    assert (c.tie_word_embeddings, c.o_bias) == (False, False)
+
+
+# ---- generate and decode_step ---------------------------------------------------------------
+def test_eos_outside_the_vocabulary_is_refused(model):
+    for eos in (32, -1, 2.0, [3, 40]):
+        with pytest.raises(ValueError, match=r"eos_token_id=.*: expected None, a token id"):
+            sparsejax.generate(model, [[1, 2]], max_new_tokens=1, eos_token_id=eos)
+    out = sparsejax.generate(model, [[1, 2]], max_new_tokens=2, eos_token_id=[31, 0])
+    assert out.tokens.shape == (1, 2)
+
+
+def test_top_k_and_top_p_at_temperature_zero_warn(model):
+    with pytest.warns(UserWarning, match="top_k=3, top_p=None have no effect at temperature=0"):
+        greedy_k = sparsejax.generate(model, [[1, 2]], max_new_tokens=3, top_k=3)
+    greedy = sparsejax.generate(model, [[1, 2]], max_new_tokens=3)
+    np.testing.assert_array_equal(greedy_k.tokens, greedy.tokens)
+
+
+def test_decode_step_past_the_cache_capacity_is_refused(model):
+    """allocate(capacity 8), prefill 8 tokens: the next step has no slot for its K/V."""
+    plan = dense_plan(CFG, 4)
+    cache = sparsejax.allocate(CFG, 1, 8, page_size=4, dtype=jnp.float32)
+    _, full = sparsejax.prefill(model, cache, np.arange(8)[None], np.array([8]), plan)
+    with pytest.raises(ValueError, match=r"a row holds 8 tokens and the cache's capacity is 8 "
+                                         r"\(2 pages of 4\): no room for one more"):
+        sparsejax.decode_step(model, full, np.array([3]), plan)
+    _, seven = sparsejax.prefill(model, cache, np.arange(8)[None], np.array([7]), plan)
+    _, after = sparsejax.decode_step(model, seven, np.array([3]), plan)   # the last slot: fine
+    assert int(after.lengths[0]) == 8
+
+
+def test_decode_step_with_another_models_plan_is_refused(model):
+    one_layer = dataclasses.replace(CFG, num_layers=1)
+    cache = sparsejax.allocate(CFG, 1, 8, page_size=4, dtype=jnp.float32)
+    _, cache = sparsejax.prefill(model, cache, np.array([[1, 2]]), np.array([2]),
+                                 dense_plan(CFG, 4))
+    for call in (lambda: sparsejax.decode_step(model, cache, np.array([3]),
+                                               dense_plan(one_layer, 4)),
+                 lambda: sparsejax.prefill(model, cache, np.array([[1, 2]]), np.array([2]),
+                                           dense_plan(one_layer, 4))):
+        with pytest.raises(ValueError, match="plan 'dense' has 1 layers; the model has 2"):
+            call()
+
+
+# ---- checkpoint paths: nothing read from outside, nothing that blocks ------------------------
+def test_an_index_may_not_name_shards_outside_the_checkpoint(saved, tmp_path):
+    ck = _copy(saved[1], tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    index = ck / "model.safetensors.index.json"
+    for shard in ck.glob("model-*.safetensors"):
+        shutil.move(shard, elsewhere / shard.name)
+    want = sparsejax.from_pretrained(saved[1], dtype=jnp.float32)
+    for prefix in ("../elsewhere/", f"{elsewhere}/"):
+        _edit_json(index, lambda d: {**d, "weight_map": {
+            k: prefix + Path(v).name for k, v in d["weight_map"].items()}})
+        with pytest.raises(ValueError, match=r"resolves to .*elsewhere/model-00001.*, outside "
+                                             "the checkpoint directory"):
+            sparsejax.from_pretrained(ck)
+        got = sparsejax.from_pretrained(ck, dtype=jnp.float32, allow_outside=True)
+        np.testing.assert_array_equal(got.params["embed"], want.params["embed"])
+
+
+def test_symlinks_out_of_the_checkpoint_are_refused(saved, tmp_path):
+    ck = _copy(saved[0], tmp_path)
+    (ck / "model.safetensors").unlink()
+    (ck / "model.safetensors").symlink_to(saved[0] / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors resolves to .*outside"):
+        sparsejax.from_pretrained(ck)
+    sparsejax.from_pretrained(ck, allow_outside=True)
+    (ck / "inside.safetensors").symlink_to(saved[0] / "model.safetensors")
+    (ck / "model.safetensors").unlink()
+    shutil.copy(saved[0] / "model.safetensors", ck / "real.safetensors")
+    (ck / "model.safetensors").symlink_to("real.safetensors")     # a link inside: fine
+    sparsejax.from_pretrained(ck)
+
+
+def test_a_fifo_in_the_checkpoint_is_refused_without_blocking(saved, tmp_path):
+    import threading
+
+    for name in ("model.safetensors", "config.json"):
+        ck = _copy(saved[0], tmp_path / name)
+        (ck / name).unlink()
+        os.mkfifo(ck / name)
+        result = {}
+
+        def load():
+            try:
+                sparsejax.from_pretrained(ck)
+            except ValueError as e:
+                result["error"] = str(e)
+
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        if worker.is_alive():     # release the reader so that the test process can end
+            os.close(os.open(ck / name, os.O_WRONLY | os.O_NONBLOCK))
+            pytest.fail(f"from_pretrained blocked on the FIFO {name}")
+        assert f"{name}: {ck / name} is not a regular file" in result["error"]
+
+
+def test_an_oversized_config_json_is_refused_before_reading(saved, tmp_path):
+    ck = _copy(saved[0], tmp_path)
+    with open(ck / "config.json", "r+b") as f:
+        f.truncate(17 << 20)     # sparse: 17 MiB without writing them
+    with pytest.raises(ValueError, match=r"config.json holds 17.0 MiB: expected at most 16 MiB"):
+        sparsejax.from_pretrained(ck)
+
+
+# ---- outputs: devices, FIFOs, links, one path for two outputs, interrupted runs ---------------
+def test_outputs_refuse_devices_fifos_and_directories(tmp_path):
+    from sparsejax.files import check_outputs, check_writable, write_text_atomic
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=f"--json {fifo} is a FIFO: expected a regular file"):
+        check_writable(fifo, "--json")
+    with pytest.raises(ValueError, match="is a FIFO"):
+        write_text_atomic(fifo, "x")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(ValueError, match="is a character device"):
+        check_writable("/dev/null", "--json")
+    if os.geteuid() == 0:      # a device node of our own, so that a regression harms nothing
+        dev = tmp_path / "null"
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        with pytest.raises(ValueError, match="is a character device"):
+            write_text_atomic(dev, "x")
+        assert stat.S_ISCHR(os.lstat(dev).st_mode)
+    with pytest.raises(ValueError, match="--json and --plot both name"):
+        check_outputs({"--json": tmp_path / "a", "--plot": tmp_path / "." / "a"})
+    assert check_outputs({"--json": tmp_path / "a", "--plot": None}) == {"--json": tmp_path / "a"}
+
+
+def test_outputs_write_through_a_symlink(tmp_path):
+    from sparsejax.files import check_outputs, write_text_atomic
+
+    target = tmp_path / "target.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target.name)
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    with pytest.raises(ValueError, match="both name"):       # the link and its target: one file
+        check_outputs({"--json": link, "--plot": target})
+
+
+def test_output_directories_are_tried_before_the_work(tmp_path):
+    from sparsejax.files import check_writable
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(ValueError, match=f"--out {afile}: {afile} is a file, expected a "
+                                         "directory"):
+        check_writable(afile, "--out", directory=True)
+    with pytest.raises(ValueError, match="--out /proc/sparsejax-out: cannot write in /proc"):
+        check_writable("/proc/sparsejax-out", "--out", directory=True)
+    assert check_writable(tmp_path / "new" / "dir", "--out", directory=True)
+    assert list(tmp_path.iterdir()) == [afile]         # the write test leaves nothing behind
+
+
+def test_an_interrupted_run_replaces_no_output(tmp_path):
+    from sparsejax import files
+
+    path = tmp_path / "results.json"
+    path.write_text("complete")
+    with files.handle_signals():
+        with pytest.raises(files.Interrupted) as stopped:
+            files.write_atomic(path, lambda tmp: (tmp.write_text("partial"),
+                                                  signal.raise_signal(signal.SIGTERM)))
+        assert files.interrupted() and stopped.value.status == 143
+        files.mark_handled()
+    assert path.read_text() == "complete" and list(tmp_path.iterdir()) == [path]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # restored
+
+
+def test_write_errors_name_the_path(tmp_path, monkeypatch):
+    import errno
+
+    from sparsejax.files import strerror_of, write_text_atomic
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError) as e:
+        write_text_atomic(tmp_path / "r.json", "x")
+    assert strerror_of(e.value) == (f"{tmp_path / 'r.json'}: No space left on device: the disk "
+                                    "is full; free space or write elsewhere")
+
+
+# ---- the command line: one line per failure, flags that would do nothing ----------------------
+def _cli(capsys, *argv):
+    from sparsejax import cli
+
+    rc = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "--prompt", "x", "--top-k", "5"],
+     "--top-k 5 only shape sampling, and --temperature 0"),
+    (["generate", "--prompt", "x", "--top-p", "0.5", "--top-k", "2"], "--top-k 2 and --top-p 0.5"),
+    (["generate", "--prompt", "x", "--seed", "99999999999999999999"],
+     r"--seed 99999999999999999999: expected an integer in \[-2\*\*63"),
+    (["eval", "--methods", ""], "--methods '': expected at least one of"),
+    (["eval", "--task", " , "], "--task ' , ': expected some of"),
+    (["eval", "--json", "SAME", "--plot", "SAME"], "--json and --plot both name"),
+    (["pretrain", "--steps", "1", "--workers", "-1", "--out", "OUT"], "--workers -1: expected"),
+])
+def test_cli_refuses_in_one_line_before_loading(capsys, tmp_path, argv, match):
+    argv = [str(tmp_path / a) if a in ("SAME", "OUT") else a for a in argv]
+    rc, err = _cli(capsys, *argv)
+    assert rc == 2 and re.search(match, err), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_failures_are_one_line_and_debug_shows_the_traceback(capsys, tmp_path, monkeypatch):
+    from sparsejax import cli
+
+    def broken(args):
+        raise OSError(28, "No space left on device", str(tmp_path / "x.json"))
+
+    monkeypatch.setattr(cli, "cmd_generate", broken)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), broken))
+    rc, err = _cli(capsys, "generate", "--prompt", "x")
+    assert rc == 1 and err.strip() == (f"sparsejax generate: error: {tmp_path / 'x.json'}: No "
+                                       "space left on device: the disk is full; free space or "
+                                       "write elsewhere")
+    rc, err = _cli(capsys, "generate", "--prompt", "x", "--debug")
+    assert rc == 1 and "Traceback" in err and err.strip().endswith("write elsewhere")
+
+
+def _with_func(parser, func):
+    sub = next(a for a in parser._actions if a.dest == "command")
+    sub.choices["generate"].set_defaults(func=func)
+    return parser

@@ -27,7 +27,7 @@ import numpy as np
 from sparsejax import sharding
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
 from sparsejax.cache import layer_page_ids, layer_pages
-from sparsejax.files import check_writable
+from sparsejax.files import check_writable, read_text
 from sparsejax.generate import decode_step, prefill
 from sparsejax.models import Model
 from sparsejax.pallas_kernels import paged_decode_attention
@@ -421,7 +421,7 @@ def _cli_prompts(args, tokenizer):
     if args.samples < 1 or args.context < 1:
         raise ValueError(f"--samples {args.samples} --context {args.context}: expected >= 1")
     if args.prompts:
-        lines = [s for s in Path(args.prompts).read_text().splitlines() if s.strip()]
+        lines = [s for s in read_text(args.prompts, "--prompts").splitlines() if s.strip()]
         if not lines:
             raise ValueError(f"--prompts {args.prompts}: no non-empty lines")
         rows = [tokenizer(s)["input_ids"][:args.context] for s in lines[:args.samples]]
@@ -438,6 +438,22 @@ def _cli_prompts(args, tokenizer):
     return ids, lengths, f"synthetic tasks {','.join(tasks)} (seed {args.seed})"
 
 
+def _check_counts(args, num_layers: int, shortest_prompt: int) -> None:
+    """--count, --anchors and --k against this model and these prompts, before measuring."""
+    if args.method == "delta" and args.count is not None and not (
+            1 <= args.count <= max(1, num_layers - 2)):
+        raise ValueError(f"--count {args.count}: expected 1..{max(1, num_layers - 2)} Δ-layers "
+                         f"for this {num_layers}-layer model (layers 0 and 1 stay dense)")
+    if args.method != "kascade":
+        return
+    if args.anchors is not None and not 1 <= args.anchors <= num_layers:
+        raise ValueError(f"--anchors {args.anchors}: expected 1..{num_layers} anchor layers for "
+                         f"this {num_layers}-layer model")
+    if args.k > shortest_prompt:
+        raise ValueError(f"--k {args.k}: the shortest prompt has {shortest_prompt} tokens; "
+                         f"expected a top-k of at most {shortest_prompt}")
+
+
 def run(args) -> int:
     import sparsejax
 
@@ -449,6 +465,7 @@ def run(args) -> int:
                                       else jnp.bfloat16)
     ids, lengths, source = _cli_prompts(args, sparsejax.load_tokenizer(model_dir))
     L = model.config.num_layers
+    _check_counts(args, L, int(lengths.min()))
     settings = {"decode_steps": args.decode_steps, "samples": int(ids.shape[0]),
                 "context": int(lengths.max()), "prompts": source, "dtype": args.dtype,
                 "model_dir": str(model_dir)}

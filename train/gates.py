@@ -428,8 +428,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     import sparsejax
+    from sparsejax.files import check_writable, read_text
     from .pretrain import compute_dtype
 
+    check_writable(args.out, "--out", directory=True)       # before the training, not after
+    if Path(args.out).is_dir():
+        check_writable(Path(args.out) / artifacts.GATES_FILE, "--out")
+    if args.data is not None:
+        read_text(args.data, "--data")
     model = sparsejax.from_pretrained(args.model, dtype=compute_dtype())
     tokenizer = sparsejax.load_tokenizer(args.model)
     data = PasskeyData(tokenizer, min_length=args.min_length,

@@ -705,8 +705,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from sparsejax.files import check_writable
+
     if args.minutes is None and args.steps is None:
         raise ValueError("pretrain needs --minutes M or --steps S")
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers {args.workers}: expected an int >= 0 (0: no data processes)")
+    check_writable(args.out, "--out", directory=True)       # before the training, not after
     rcp = recipe(args.size, max_context=args.max_context, batch=args.batch,
                  continued=args.init is not None)
     workers = args.workers
