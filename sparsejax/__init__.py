@@ -4,6 +4,9 @@
     out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=64,
                              method=sparsejax.methods.DELTA())
     sparsejax.LLM("path/to/hf-checkpoint", method="delta").generate(["..."])   # text to text
+
+A method left without layer choices (`methods.DELTA()`) takes the paper's, scaled to the
+model's depth; `LLM`'s methods attend to a share of each prompt's own length.
 """
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """Text in, text out: `LLM(path_or_id, method=...).generate(prompts) -> completions`."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -17,7 +16,8 @@ class LLM:
     """A checkpoint (directory or Hub id), its tokenizer and a decoding method.
 
     method: None (dense), a method of `sparsejax.methods`, or a `methods.REGISTRY` name, run
-    at `budget_ratio` of each batch's longest prompt with what ships beside the checkpoint
+    at `budget_ratio` of each row's own length (so a prompt's completion does not depend on
+    the prompts batched with it) with what ships beside the checkpoint
     (`methods.fitted_beside`; `calibrated=False` keeps the defaults scaled to the depth).
     """
 
@@ -34,12 +34,12 @@ class LLM:
         self.fitted = (M.fitted_beside(self.path, self.model, calibrated)
                        if isinstance(method, str) else None)
 
-    def method_for(self, context: int):
-        """The method run on prompts of up to `context` tokens."""
+    def method_for(self, context: int | None = None):
+        """The method run on every prompt. A registry name's budget is a ratio of each row's
+        own length, so the method is the same for any `context` (kept for older callers)."""
         if not isinstance(self.method, str):
             return self.method
-        tokens = max(1, math.ceil(self.budget_ratio * context))
-        return M.REGISTRY[self.method].at_budget(self.model.config, tokens, self.budget_ratio,
+        return M.REGISTRY[self.method].at_budget(self.model.config, M.Ratio(self.budget_ratio),
                                                  self.fitted)
 
     def generate(self, prompts: list[str], max_new_tokens: int = 64, **kwargs) -> list[str]:
@@ -53,7 +53,7 @@ class LLM:
         for i, row in enumerate(rows):
             ids[i, :len(row)] = row
         out = generate(self.model, ids, lengths=lengths, max_new_tokens=max_new_tokens,
-                       method=self.method_for(int(lengths.max())), **kwargs)
+                       method=self.method_for(), **kwargs)
         tokens, num = np.asarray(out.tokens), np.asarray(out.num_generated)
         return [self.tokenizer.decode(t[:n], skip_special_tokens=True)
                 for t, n in zip(tokens, num)]
