@@ -100,11 +100,12 @@ def _positive(name: str, value) -> None:
 def _scale_layers(layers, num_layers: int, reference: int = 28) -> tuple[int, ...]:
     """Map layer indices chosen for a `reference`-deep model onto `num_layers`.
 
-    Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth and are
-    kept strictly increasing; any that fall off the end are dropped."""
+    Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth, never
+    below 3 (after the early ones), and are kept strictly increasing; any that fall off the
+    end are dropped."""
     out: list[int] = []
     for i in sorted(layers):
-        j = i if i <= 2 else round(i * (num_layers - 1) / (reference - 1))
+        j = i if i <= 2 else max(3, round(i * (num_layers - 1) / (reference - 1)))
         j = max(j, out[-1] + 1) if out else j
         if j < num_layers:
             out.append(j)
