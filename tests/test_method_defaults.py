@@ -144,6 +144,7 @@ def test_snippets_show_the_methods_that_failed_on_shallow_models():
         assert wanted in exprs, exprs
 
 
+@pytest.mark.slow      # a compile per method and depth: ~2 min of CPU for the three depths
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_snippet_methods_run_on_every_depth(depth):
     """Each method a snippet builds, as written, plans for the model and decodes (draft_tokens
