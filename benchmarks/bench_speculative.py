@@ -78,7 +78,7 @@ def embedded_drafters(model, context: int, names=DRAFTERS) -> dict:
     path = sparsejax.embedded_model_path()
     calibration = {kind: path / "calibration" / f"{kind}.json" for kind in ("delta", "kascade")}
     heads = np.asarray(M.Lychee(gates=sorted((path / "gates").glob("*.json"))[0]).retrieval_heads)
-    every = M.budget_ratio_methods(model.config, 0.1, context, retrieval_heads=heads,
+    every = M.budget_ratio_methods(model.config, 0.1, retrieval_heads=heads,
                                    calibration=calibration)
     return {name: every[name] for name in names}
 

@@ -149,10 +149,9 @@ def calibration(args) -> dict:
 
     def build(model, ratio):
         L = model.config.num_layers
-        base = M.budget_ratio_methods(model.config, ratio, args.context)
+        base = M.budget_ratio_methods(model.config, ratio)
         delta, kascade = base["delta"], base["kascade"]
-        calibrated_delta = M.DELTA.from_calibration(args.delta, model,
-                                                    budget_pages=delta.budget_pages,
+        calibrated_delta = M.DELTA.from_calibration(args.delta, model, ratio=delta.ratio,
                                                     recent_pages=delta.recent_pages)
         calibrated_kascade = M.Kascade.from_calibration(args.kascade, model, ratio=ratio,
                                                         min_k=kascade.min_k)
@@ -163,8 +162,7 @@ def calibration(args) -> dict:
         return {
             "dense": M.Dense(),
             f"delta calibrated {calibrated_delta.delta_layers}": calibrated_delta,
-            f"delta even {even_delta}": M.DELTA(delta_layers=even_delta,
-                                                budget_pages=delta.budget_pages,
+            f"delta even {even_delta}": M.DELTA(delta_layers=even_delta, ratio=delta.ratio,
                                                 recent_pages=delta.recent_pages),
             f"kascade calibrated {calibrated_kascade.anchor_layers}": calibrated_kascade,
             f"kascade even {even_anchors}": M.Kascade(anchor_layers=even_anchors, ratio=ratio,

@@ -5,6 +5,9 @@
                              method=sparsejax.methods.DELTA())
     llm = sparsejax.LLM("path/to/hf-checkpoint", method="delta")                # text to text
     llm.generate(["..."], sparsejax.SamplingParams(max_tokens=64))[0].outputs[0].text
+
+A method left without layer choices (`methods.DELTA()`) takes the paper's, scaled to the
+model's depth; `LLM`'s methods attend to a share of each prompt's own length.
 """
 import sys as _sys
 from pathlib import Path

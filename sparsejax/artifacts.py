@@ -29,6 +29,30 @@ GATES_FILE = "gates.json"
 
 _HASHED_PARAMS = ("embed", "wq", "wk", "wv", "wo", "w_down")
 _HASHED_VALUES = 1024
+# a layer's arrays that hold the hashed weights, fused ("wqkv") or not
+_HASHED_LAYER_ARRAYS = ("wq", "wk", "wv", "wqkv", "wo", "w_down")
+
+
+def _host_rows(x, start: int, stop: int) -> np.ndarray:
+    """x[start:stop] (leading axis) as a host array, copied from each device's shard: no
+    operation runs on the array itself, whose sharding (an explicit-axes mesh refuses an
+    index that would need collectives) then does not matter, and only those rows move."""
+    if not hasattr(x, "addressable_shards"):
+        return np.asarray(x[start:stop])
+    out = np.empty((stop - start,) + tuple(x.shape[1:]), x.dtype)
+    filled = np.zeros(out.shape, bool)
+    for shard in x.addressable_shards:
+        lo, hi, _ = shard.index[0].indices(x.shape[0])
+        a, b = max(lo, start), min(hi, stop)
+        if a >= b:
+            continue
+        at = (slice(a - start, b - start),) + tuple(shard.index[1:])
+        out[at] = np.asarray(shard.data[a - lo:b - lo])
+        filled[at] = True
+    if not filled.all():
+        raise ValueError(f"an array of shape {x.shape} is not all held by this process: its "
+                         "fingerprint needs rows it cannot read")
+    return out
 
 
 # ---- the model a file was made for ----------------------------------------------------------
@@ -55,15 +79,29 @@ class Fingerprint:
     def of_model(cls, model) -> "Fingerprint":
         """The hash reads the first and last `_HASHED_VALUES` values of the embedding and of
         the stacked attention and MLP-down weights (so the first and last layers), rounded to
-        bfloat16, so one checkpoint loaded in float32 or bfloat16 hashes alike."""
+        bfloat16, so one checkpoint loaded in float32 or bfloat16 hashes alike. The values are
+        read shard by shard (`_host_rows`), so a model placed on a mesh hashes as it does on
+        one device."""
         digest = hashlib.sha256()
         p, c = model.params, model.config
-        first, last = (split_layer(layer_params(p, i), c) for i in (0, c.num_layers - 1))
+        n = _HASHED_VALUES
+        layers = [layer_params(p, i) for i in (0, c.num_layers - 1)]
+        ends = [{name: (_host_rows(x, 0, min(n, x.shape[0])),
+                        _host_rows(x, x.shape[0] - min(n, x.shape[0]), x.shape[0]))
+                 for name, x in lp.items() if name in _HASHED_LAYER_ARRAYS} for lp in layers]
+        # each weight's leading and trailing rows, split as `split_layer` splits the fused ones
+        first = split_layer({name: head for name, (head, _) in ends[0].items()}, c)
+        last = split_layer({name: tail for name, (_, tail) in ends[1].items()}, c)
         for name in _HASHED_PARAMS:
-            head, tail = (p[name], p[name]) if name in p else (first[name], last[name])
-            part = jnp.concatenate([head.reshape(-1)[:_HASHED_VALUES],
-                                    tail.reshape(-1)[-_HASHED_VALUES:]])
-            digest.update(np.asarray(part.astype(jnp.bfloat16)).tobytes())
+            if name in p:
+                x = p[name]
+                rows = min(n, x.shape[0])
+                head, tail = _host_rows(x, 0, rows), _host_rows(x, x.shape[0] - rows, x.shape[0])
+            else:
+                head, tail = first[name], last[name]
+            part = np.concatenate([np.asarray(head).reshape(-1)[:n],
+                                   np.asarray(tail).reshape(-1)[-n:]])
+            digest.update(np.asarray(jnp.asarray(part).astype(jnp.bfloat16)).tobytes())
         return dataclasses.replace(cls.of_config(model.config),
                                    params_hash=digest.hexdigest()[:16])
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import sys
 import time
@@ -45,7 +44,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{n}: {s.summary}" for n, s in M.REGISTRY.items()))
     budget = g.add_mutually_exclusive_group()
     budget.add_argument("--budget-ratio", type=ratio, default=0.1,
-                        help="tokens attended to, as a share of the prompt")
+                        help="tokens attended to, as a share of the context so far (the prompt "
+                        "and the tokens generated)")
     budget.add_argument("--budget-tokens", type=positive_int, default=None,
                         help="tokens attended to (default: --budget-ratio)")
     g.add_argument("--resa", type=nonnegative_float, default=None, metavar="LAMBDA",
@@ -72,8 +72,9 @@ def method_options(args) -> dict:
     return given
 
 
-def method_from_args(args, model, context: int, model_dir=None):
-    """The method `args` name, at its budget of a `context`-token prompt, for this model."""
+def method_from_args(args, model, model_dir=None):
+    """The method `args` name, at its budget (--budget-tokens tokens, or --budget-ratio of
+    the context so far), for this model."""
     from sparsejax import methods as M
 
     spec = M.REGISTRY[args.method]
@@ -82,9 +83,8 @@ def method_from_args(args, model, context: int, model_dir=None):
         fitted = M.fitted_beside(model_dir, model, calibrated=not args.no_calibration)
     except ValueError as e:
         raise ValueError(f"{e} (--no-calibration runs without the shipped files)") from None
-    tokens = args.budget_tokens or max(1, math.ceil(args.budget_ratio * context))
-    share = min(1.0, tokens / context) if args.budget_tokens else args.budget_ratio
-    method = spec.at_budget(model.config, tokens, share, fitted)
+    budget = (M.TopK(args.budget_tokens) if args.budget_tokens else M.Ratio(args.budget_ratio))
+    method = spec.at_budget(model.config, budget, fitted)
     overrides = {o.field: given[o.flag] for o in spec.options if o.flag in given}
     if overrides:
         method = dataclasses.replace(method, **{
@@ -135,7 +135,7 @@ def cmd_generate(args) -> int:
         model = sparsejax.shard(model, mesh)
     tok = sparsejax.load_tokenizer(model_dir)
     ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
-    method = method_from_args(args, model, ids.shape[1], model_dir)
+    method = method_from_args(args, model, model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
               draft_tokens=args.draft_tokens)

@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import statistics
 import time
 from pathlib import Path
@@ -65,13 +64,12 @@ def parse_methods(spec: str) -> list[str]:
     return names
 
 
-def build_methods(config, names, ratio: float, context: int, fitted=M.Fitted()) -> dict:
-    """{name: method} at `ratio` of `context` tokens (see `parse_methods`)."""
-    tokens = max(1, math.ceil(ratio * context))
+def build_methods(config, names, ratio: float, fitted=M.Fitted()) -> dict:
+    """{name: method} at `ratio` of each prompt's own length (see `parse_methods`)."""
     out = {}
     for name in names:
         drafter = name.removesuffix(SPEC)
-        method = M.REGISTRY[drafter.removesuffix(RESA)].at_budget(config, tokens, ratio, fitted)
+        method = M.REGISTRY[drafter.removesuffix(RESA)].at_budget(config, M.Ratio(ratio), fitted)
         out[name] = M.RESA(method) if drafter.endswith(RESA) else method
     return out
 
@@ -221,7 +219,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
     prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
     for ratio in ratios:
         chosen = (methods(ratio) if methods is not None else
-                  build_methods(model.config, method_names, ratio, context, fitted))
+                  build_methods(model.config, method_names, ratio, fitted))
         for name, method in chosen.items():
             lossless = name.endswith(SPEC)
             label = name  # names the options that changed the run

@@ -132,12 +132,12 @@ class LLM:
                        if isinstance(method, str) else None)
         self.generation_config = generation_config(self.path)
 
-    def method_for(self, context: int):
-        """The method run on prompts of up to `context` tokens."""
+    def method_for(self, context: int | None = None):
+        """The method run on every prompt. A registry name's budget is a ratio of each row's
+        own length, so the method is the same for any `context` (kept for older callers)."""
         if not isinstance(self.method, str):
             return self.method
-        tokens = max(1, math.ceil(self.budget_ratio * context))
-        return M.REGISTRY[self.method].at_budget(self.model.config, tokens, self.budget_ratio,
+        return M.REGISTRY[self.method].at_budget(self.model.config, M.Ratio(self.budget_ratio),
                                                  self.fitted)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -232,7 +232,7 @@ class LLM:
         seed = p.seed if p.seed is not None or greedy else secrets.randbits(32)
         vocab = self.model.config.vocab_size
         out = generate(self.model, ids, lengths=lengths, max_new_tokens=p.max_tokens,
-                       method=self.method_for(bucket_length(int(lengths.max()))),
+                       method=self.method_for(),
                        temperature=float(p.temperature),
                        top_k=None if greedy or p.top_k < 1 else min(p.top_k, vocab),
                        top_p=None if greedy or p.top_p >= 1 else float(p.top_p),

@@ -1,17 +1,25 @@
 """Sparse decoding methods: each a small frozen (hashable) constructor of a `SparsePlan`.
 
-Defaults follow the papers (layer indices are for 28-32-layer models; `scaled_to(num_layers)`
-maps them onto another depth). Token budgets are in tokens and rounded up to the selection unit.
+Defaults follow the papers. Layer choices left unset are the papers' (chosen for 28-layer
+models) scaled to the depth of the model a method is planned for (`to_plan(config)`;
+`scaled_to(num_layers)` shows the choice); layer indices given are kept and checked. Budgets
+are a count of tokens (`k=`, `token_budget=`, `budget_pages=`, `window=`: the same for every
+row) or a `ratio=` of each row's own length, growing with the tokens it generates; both are
+rounded up to the selection unit.
 
   Dense()                                  every layer dense
   OracleTopK(ratio=0.1 | k=...)            every layer picks its own exact top-k per query head
-  StreamingLLM(sinks=4, window=1024)       sinks + recent window, every layer
-  Quest(page_size=16, token_budget=1024)   per-query-head page bound, first 2 layers dense
-  TidalDecode(select_layers=(2, 13))       layers 0-1 dense, per-query-head top-k re-selected at 2, 13
-  DELTA(delta_layers=(2, 14, 22))          pages chosen by the max over all heads at Δ-layers
-  Kascade(anchor_layers=(0, 2, 8, 13, 14)) per-KV-head token top-k at anchors, head-mapped reuse
-                                           (sparse_prefill=True: also per 128-query prefill tile)
-  Lychee(retrieval_heads=...)              retrieval heads select per head, sparse heads inherit
+  StreamingLLM(sinks=4, window=1024 | ratio=...)   sinks + the most recent tokens, every layer
+  Quest(token_budget=1024 | ratio=...)     per-query-head page bound, first 2 layers dense
+  TidalDecode(k=4096 | ratio=...)          layers 0-1 dense, per-query-head top-k re-selected at
+                                           layers 2 and 13 of 28
+  DELTA(budget_pages=64 | ratio=...)       pages chosen by the max over all heads at the
+                                           Δ-layers 2, 14 and 22 of 28
+  Kascade(ratio=0.1 | k=...)               per-KV-head token top-k at the anchors 0, 2, 8, 13, 14
+                                           of 28, head-mapped reuse (sparse_prefill=True: also
+                                           per 128-query prefill tile)
+  Lychee(retrieval_heads=..., budget=TopK(4096) | Ratio(...))   retrieval heads select per
+                                           head, sparse heads inherit
   RESA(base, lam=1.0)                      any of the above + the unselected prompt's residual
 """
 from __future__ import annotations
@@ -40,7 +48,8 @@ def TopK(k: int) -> Budget:
 
 
 def Ratio(ratio: float, minimum: int = 0) -> Budget:
-    """Keep ceil(ratio × context), at least `minimum` tokens (and never more than the context)."""
+    """Keep floor(ratio × each row's length) tokens, at least `minimum` and one (never more
+    than the row holds)."""
     return Budget("ratio", float(ratio), minimum=int(minimum))
 
 
@@ -88,9 +97,12 @@ def _positive(name: str, value) -> None:
         raise ValueError(f"{name}={value!r}: expected a finite number > 0")
 
 
-def _layer_tuple(name: str, layers, *, empty: bool = True) -> tuple[int, ...]:
-    """`layers` as a tuple of ints; ValueError for a string ("35" is not layers 3 and 5), a
-    float, a bool, or (unless `empty`) no layers at all."""
+def _layer_tuple(name: str, layers, *, empty: bool = True) -> tuple[int, ...] | None:
+    """`layers` as a tuple of ints (None stays None: the paper's choice, scaled at planning);
+    ValueError for a string ("35" is not layers 3 and 5), a float, a bool, or (unless
+    `empty`) no layers at all."""
+    if layers is None:
+        return None
     if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, np.ndarray)):
         raise ValueError(f"{name}={layers!r}: expected a tuple of layer indices (ints)")
     bad = [i for i in layers if isinstance(i, (bool, np.bool_))
@@ -105,18 +117,59 @@ def _layer_tuple(name: str, layers, *, empty: bool = True) -> tuple[int, ...]:
 def _scale_layers(layers, num_layers: int, reference: int = 28) -> tuple[int, ...]:
     """Map layer indices chosen for a `reference`-deep model onto `num_layers`.
 
-    Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth and are
-    kept strictly increasing; any that fall off the end are dropped."""
+    Indices <= 2 (the papers' fixed early choices) stay; later ones scale with depth, never
+    below 3 (after the early ones), and are kept strictly increasing; any that fall off the
+    end are dropped."""
     if isinstance(num_layers, bool) or not isinstance(num_layers, (int, np.integer)) or (
             num_layers < 1):
         raise ValueError(f"scaled_to(num_layers={num_layers!r}): expected an int >= 1")
     out: list[int] = []
     for i in sorted(layers):
-        j = i if i <= 2 else round(i * (num_layers - 1) / (reference - 1))
+        j = i if i <= 2 else max(3, round(i * (num_layers - 1) / (reference - 1)))
         j = max(j, out[-1] + 1) if out else j
         if j < num_layers:
             out.append(j)
     return tuple(out)
+
+
+def _layer_choice(name: str, given, paper, num_layers: int) -> tuple[int, ...]:
+    """The layers given (checked against the model), or the paper's scaled to its depth."""
+    if given is None:
+        return _scale_layers(paper, num_layers)
+    layers = tuple(int(i) for i in given)
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"{name}={layers}: layer indices {bad} are out of range for a model "
+                         f"with {num_layers} layers (leave {name.split()[-1]} unset for the "
+                         f"paper's choice scaled to {num_layers} layers: "
+                         f"{_scale_layers(paper, num_layers)})")
+    return _layers(name, layers, num_layers)
+
+
+def _given_or(given, paper):
+    return paper if given is None else given
+
+
+def _early_layers(given, paper, num_layers: int) -> tuple[int, ...]:
+    """Fixed early layers (the papers' dense layers 0 and 1): those the model has."""
+    return tuple(i for i in paper if i < num_layers) if given is None else tuple(given)
+
+
+def _one_budget(method: str, counts: dict, ratio, default: dict) -> dict:
+    """{field: value} of the budget a method keeps: the one count or ratio given, else
+    `default`. Only one may be given."""
+    given = {k: v for k, v in {**counts, "ratio": ratio}.items() if v is not None}
+    if len(given) > 1:
+        shown = ", ".join(f"{k}={v}" for k, v in given.items())
+        raise ValueError(f"{method}: give one budget, not {shown}")
+    for k, v in given.items():
+        _positive(f"{method} {k}", v)
+        if k == "ratio" and v > 1:
+            raise ValueError(f"{method} ratio={v}: expected 0 < ratio <= 1 (a share of each "
+                             "row's length)")
+        if k != "ratio" and int(v) != v:
+            raise ValueError(f"{method} {k}={v!r}: expected a whole number")
+    return given or default
 
 
 def _roles(num_layers: int, dense=(), select=(), default=Role.REUSE) -> tuple[Role, ...]:
@@ -161,12 +214,8 @@ class OracleTopK:
     min_k: int = 0
 
     def __post_init__(self):
-        if self.ratio is not None and self.k is not None:
-            raise ValueError(f"OracleTopK: give one of ratio={self.ratio} and k={self.k}")
-        if self.ratio is None and self.k is None:
-            object.__setattr__(self, "ratio", 0.1)
-        _positive("OracleTopK k" if self.k is not None else "OracleTopK ratio",
-                  self.k if self.k is not None else self.ratio)
+        budget = _one_budget("OracleTopK", {"k": self.k}, self.ratio, {"ratio": 0.1})
+        object.__setattr__(self, "ratio", budget.get("ratio"))
 
     def to_plan(self, config, page_size=None):
         budget = TopK(self.k) if self.k is not None else Ratio(self.ratio, self.min_k)
@@ -177,75 +226,117 @@ class OracleTopK:
 
 @dataclasses.dataclass(frozen=True)
 class StreamingLLM:
+    """The first `sinks` tokens and the most recent ones: a `window` of tokens (1024 when
+    neither is given), or as many as make `ratio` of each row's length with the sinks (the
+    newest token at least)."""
     sinks: int = 4
-    window: int = 1024
+    window: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
-        _positive("StreamingLLM window", self.window)
+        _one_budget("StreamingLLM", {"window": self.window}, self.ratio, {})
         if self.sinks < 0:
             raise ValueError(f"StreamingLLM sinks={self.sinks}: expected >= 0")
 
     def to_plan(self, config, page_size=None):
         roles = (Role.SELF,) + (Role.REUSE,) * (config.num_layers - 1)
+        if self.ratio is not None:     # ranked by position: the newest first, after the sinks
+            selector = Selector(Score.NONE, 1, "shared", Ratio(self.ratio, self.sinks + 1),
+                                sinks=self.sinks)
+        else:
+            window = 1024 if self.window is None else int(self.window)
+            selector = Selector(Score.NONE, 1, "shared", TopK(self.sinks + window),
+                                sinks=self.sinks, recent=window)
         return SparsePlan("streaming", roles, _page_size("StreamingLLM", None, page_size),
-                          Selector(Score.NONE, 1, "shared", TopK(self.sinks + self.window),
-                                   sinks=self.sinks, recent=self.window))
+                          selector)
 
 
 @dataclasses.dataclass(frozen=True)
 class Quest:
+    """Per query head, the pages whose key bounds promise the largest logit: `token_budget`
+    tokens (1024 when neither is given) or `ratio` of each row's pages. The first
+    `dense_layers` layers are dense (2, or as many as the model has)."""
     page_size: int = 16
-    token_budget: int = 1024
-    dense_layers: int = 2
+    token_budget: int | None = None
+    dense_layers: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
         check_page_size(self.page_size)
-        _positive("Quest token_budget", self.token_budget)
-        if self.dense_layers < 0:
+        _one_budget("Quest", {"token_budget": self.token_budget}, self.ratio, {})
+        if self.dense_layers is not None and self.dense_layers < 0:
             raise ValueError(f"Quest dense_layers={self.dense_layers}: expected >= 0")
 
     def to_plan(self, config, page_size=None):
         p = _page_size("Quest", self.page_size, page_size)
-        if self.dense_layers > config.num_layers:
-            raise ValueError(f"Quest dense_layers={self.dense_layers} exceeds the model's "
-                             f"{config.num_layers} layers")
-        roles = (Role.DENSE,) * self.dense_layers + (Role.SELF,) * (
-            config.num_layers - self.dense_layers)
-        return SparsePlan("quest", roles, p,
-                          Selector(Score.QUEST_BOUND, p, "query",
-                                   _in_units(TopK(self.token_budget), p)))
+        L = config.num_layers
+        dense = min(2, L) if self.dense_layers is None else self.dense_layers
+        if dense > L:
+            raise ValueError(f"Quest dense_layers={dense} exceeds the model's {L} layers")
+        roles = (Role.DENSE,) * dense + (Role.SELF,) * (L - dense)
+        if self.ratio is not None:
+            budget = Ratio(self.ratio)
+        else:
+            budget = _in_units(TopK(1024 if self.token_budget is None else
+                                    int(self.token_budget)), p)
+        return SparsePlan("quest", roles, p, Selector(Score.QUEST_BOUND, p, "query", budget))
+
+
+TIDAL_SELECT_LAYERS = (2, 13)
+DELTA_LAYERS = (2, 14, 22)
+KASCADE_ANCHORS = (0, 2, 8, 13, 14)
+PAPER_DENSE_LAYERS = (0, 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class TidalDecode:
-    dense_layers: tuple[int, ...] = (0, 1)
-    select_layers: tuple[int, ...] = (2, 13)
-    k: int = 4096
+    """Layers 0 and 1 dense; per query head, the top `k` tokens (4096 when neither is given)
+    or `ratio` of each row's length, re-selected at `select_layers` (unset: the paper's 2
+    and 13 of 28, scaled to the model's depth)."""
+    dense_layers: tuple[int, ...] | None = None
+    select_layers: tuple[int, ...] | None = None
+    k: int | None = None
+    ratio: float | None = None
 
     def __post_init__(self):
-        _positive("TidalDecode k", self.k)
+        _one_budget("TidalDecode", {"k": self.k}, self.ratio, {})
 
     def scaled_to(self, num_layers: int) -> "TidalDecode":
-        return dataclasses.replace(self, select_layers=_scale_layers(self.select_layers, num_layers))
+        """This method with its layer choices for a `num_layers`-deep model spelled out."""
+        return dataclasses.replace(
+            self, dense_layers=_early_layers(self.dense_layers, PAPER_DENSE_LAYERS, num_layers),
+            select_layers=_scale_layers(_given_or(self.select_layers, TIDAL_SELECT_LAYERS),
+                                        num_layers))
 
     def to_plan(self, config, page_size=None):
         L = config.num_layers
-        dense = _layers("TidalDecode dense_layers", self.dense_layers, L)
-        select = _layers("TidalDecode select_layers", self.select_layers, L)
+        dense = _layers("TidalDecode dense_layers",
+                        _early_layers(self.dense_layers, PAPER_DENSE_LAYERS, L), L)
+        select = _layer_choice("TidalDecode select_layers", self.select_layers,
+                               TIDAL_SELECT_LAYERS, L)
         if set(dense) & set(select):
             raise ValueError(f"TidalDecode: layers {sorted(set(dense) & set(select))} are both "
                              "dense and selecting")
-        return SparsePlan("tidal", _roles(L, dense, select), _page_size("TidalDecode", None, page_size),
-                          Selector(Score.HEAD_PROBS, 1, "query", TopK(self.k)))
+        budget = Ratio(self.ratio) if self.ratio is not None else TopK(
+            4096 if self.k is None else int(self.k))
+        return SparsePlan("tidal", _roles(L, dense, select),
+                          _page_size("TidalDecode", None, page_size),
+                          Selector(Score.HEAD_PROBS, 1, "query", budget))
 
 
 @dataclasses.dataclass(frozen=True)
 class DELTA:
-    dense_layers: tuple[int, ...] = (0, 1)
-    delta_layers: tuple[int, ...] = (2, 14, 22)
+    """Pages chosen at the Δ-layers (unset: the paper's 2, 14 and 22 of 28, scaled to the
+    model's depth) by the max over all query heads, reused by the layers after them; layers
+    0 and 1 dense. The budget: `budget_pages` pages (64 when neither is given) or `ratio` of
+    each row's pages. The `recent_pages` newest pages are always kept: unset, a quarter of
+    `budget_pages` up to 8, or one page (the current one) with a `ratio`."""
+    dense_layers: tuple[int, ...] | None = None
+    delta_layers: tuple[int, ...] | None = None
     page_size: int = 16
-    budget_pages: int = 64
-    recent_pages: int = 8
+    budget_pages: int | None = None
+    recent_pages: int | None = None
+    ratio: float | None = None
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
@@ -254,13 +345,34 @@ class DELTA:
         object.__setattr__(self, "delta_layers", _layer_tuple("DELTA delta_layers",
                                                               self.delta_layers, empty=False))
         check_page_size(self.page_size)
-        _positive("DELTA budget_pages", self.budget_pages)
-        if not 0 <= self.recent_pages <= self.budget_pages:
-            raise ValueError(f"DELTA recent_pages={self.recent_pages}: expected 0 <= recent_pages "
-                             f"<= budget_pages={self.budget_pages}")
+        _one_budget("DELTA", {"budget_pages": self.budget_pages}, self.ratio, {})
+        if self.recent_pages is not None and self.recent_pages < 0:
+            raise ValueError(f"DELTA recent_pages={self.recent_pages}: expected >= 0")
+        if (self.recent_pages is not None and self.ratio is None
+                and self.recent_pages > self.pages):
+            raise ValueError(f"DELTA recent_pages={self.recent_pages} exceeds "
+                             f"budget_pages={self.pages}: lower recent_pages or raise "
+                             "budget_pages")
+
+    @property
+    def pages(self) -> int | None:
+        """The fixed budget in pages (None for a ratio)."""
+        if self.ratio is not None:
+            return None
+        return 64 if self.budget_pages is None else int(self.budget_pages)
+
+    @property
+    def recent(self) -> int:
+        """The newest pages always kept."""
+        if self.recent_pages is not None:
+            return int(self.recent_pages)
+        return 1 if self.ratio is not None else max(1, min(8, self.pages // 4))
 
     def scaled_to(self, num_layers: int) -> "DELTA":
-        return dataclasses.replace(self, delta_layers=_scale_layers(self.delta_layers, num_layers))
+        """This method with its layer choices for a `num_layers`-deep model spelled out."""
+        return dataclasses.replace(
+            self, dense_layers=_early_layers(self.dense_layers, PAPER_DENSE_LAYERS, num_layers),
+            delta_layers=_scale_layers(_given_or(self.delta_layers, DELTA_LAYERS), num_layers))
 
     @classmethod
     def from_calibration(cls, path, model=None, **overrides) -> "DELTA":
@@ -273,20 +385,25 @@ class DELTA:
         _check_origin(self.origin, config)
         L = config.num_layers
         p = _page_size("DELTA", self.page_size, page_size)
-        dense = _layers("DELTA dense_layers", self.dense_layers, L)
-        delta = _layers("DELTA delta_layers", self.delta_layers, L)
+        dense = _layers("DELTA dense_layers",
+                        _early_layers(self.dense_layers, PAPER_DENSE_LAYERS, L), L)
+        delta = _layer_choice("DELTA delta_layers", self.delta_layers, DELTA_LAYERS, L)
         if set(dense) & set(delta):
             raise ValueError(f"DELTA: layers {sorted(set(dense) & set(delta))} are both dense and "
                              "Δ-layers")
+        budget = Ratio(self.ratio) if self.ratio is not None else TopK(self.pages)
         return SparsePlan("delta", _roles(L, dense, delta), p,
-                          Selector(Score.MAX_HEADS, p, "shared", Budget("fixed", self.budget_pages),
-                                   recent=self.recent_pages * p))
+                          Selector(Score.MAX_HEADS, p, "shared", budget, recent=self.recent * p))
 
 
 @dataclasses.dataclass(frozen=True)
 class Kascade:
-    anchor_layers: tuple[int, ...] = (0, 2, 8, 13, 14)
-    ratio: float = 0.1
+    """Per KV head, the top tokens of the group-summed probabilities at the anchor layers
+    (unset: the paper's 0, 2, 8, 13 and 14 of 28, scaled to the model's depth), reused by the
+    layers after them through the head map. The budget: `ratio` of each row's length, at
+    least `min_k` tokens (the paper's 0.1 and 128), or `k` tokens."""
+    anchor_layers: tuple[int, ...] | None = None
+    ratio: float | None = None    # 0.1 when neither ratio nor k is given
     min_k: int = 128
     head_map: Any = None          # [layers, kv_heads] ints, or None for identity
     pooled_all_heads: bool = False
@@ -295,16 +412,16 @@ class Kascade:
     # decode: the anchors after layer 0 attend only to their own top-k (Kascade §3.6's passes:
     # scores without V, top-k, top-k attention) rather than densely
     sparse_anchors: bool = False
+    k: int | None = None
     origin: artifacts.Origin | None = _origin()
 
     def __post_init__(self):
-        _positive("Kascade ratio", self.ratio)
+        budget = _one_budget("Kascade", {"k": self.k}, self.ratio, {"ratio": 0.1})
+        object.__setattr__(self, "ratio", budget.get("ratio"))
         _positive("Kascade prefill_tile", self.prefill_tile)
         if self.sparse_prefill and self.pooled_all_heads:
             raise ValueError("Kascade sparse_prefill selects per KV head: it needs "
                              "pooled_all_heads=False")
-        if self.ratio > 1:
-            raise ValueError(f"Kascade ratio={self.ratio}: expected 0 < ratio <= 1")
         if self.min_k < 0:
             raise ValueError(f"Kascade min_k={self.min_k}: expected >= 0")
         if self.head_map is not None:
@@ -315,7 +432,10 @@ class Kascade:
             object.__setattr__(self, "head_map", tuple(tuple(int(x) for x in r) for r in hm))
 
     def scaled_to(self, num_layers: int) -> "Kascade":
-        return dataclasses.replace(self, anchor_layers=_scale_layers(self.anchor_layers, num_layers))
+        """This method with its anchors for a `num_layers`-deep model spelled out."""
+        return dataclasses.replace(
+            self, anchor_layers=_scale_layers(_given_or(self.anchor_layers, KASCADE_ANCHORS),
+                                         num_layers))
 
     @classmethod
     def from_calibration(cls, path, model=None, **overrides) -> "Kascade":
@@ -328,7 +448,7 @@ class Kascade:
     def to_plan(self, config, page_size=None):
         _check_origin(self.origin, config)
         L, HK = config.num_layers, config.num_kv_heads
-        anchors = _layers("Kascade anchor_layers", self.anchor_layers, L)
+        anchors = _layer_choice("Kascade anchor_layers", self.anchor_layers, KASCADE_ANCHORS, L)
         if 0 not in anchors:
             raise ValueError(f"Kascade anchor_layers={anchors}: layer 0 must be an anchor (it is "
                              "always dense and selecting)")
@@ -346,8 +466,9 @@ class Kascade:
         if self.sparse_anchors:     # layer 0 stays dense and selecting
             roles = tuple(Role.SELF if r == Role.SELECT and i > 0 else r
                           for i, r in enumerate(roles))
+        budget = TopK(self.k) if self.k is not None else Ratio(self.ratio, self.min_k)
         return SparsePlan("kascade", roles, _page_size("Kascade", None, page_size),
-                          Selector(score, 1, groups, Ratio(self.ratio, self.min_k)),
+                          Selector(score, 1, groups, budget),
                           head_map=None if self.pooled_all_heads else head_map,
                           prefill_tile=self.prefill_tile if self.sparse_prefill else None)
 
@@ -462,56 +583,87 @@ class Fitted:
 class MethodSpec:
     """A method's constructor, its defaults at a budget and its command-line options.
 
-    at_budget(config, tokens, ratio, fitted) -> method: the method attending to `tokens` of the
-    context (`ratio` of it), layer choices scaled to the depth or taken from `fitted`; what
-    `sparsejax eval`, `demo` and `generate` run. Each option overrides one constructor field.
+    at_budget(config, budget, fitted) -> method: the method attending to `budget`, a
+    `Ratio(r)` of each row's own length (what `LLM`, `sparsejax eval`, `demo` and
+    `--budget-ratio` run: a row's output does not depend on its batch-mates) or a `TopK(n)`
+    of n tokens (`--budget-tokens`), with layer choices scaled to the depth or taken from
+    `fitted`. Each option overrides one constructor field.
     """
     constructor: type
     summary: str
-    at_budget: Callable[[ModelConfig, int, float, Fitted], Any]
+    at_budget: Callable[[ModelConfig, Budget, Fitted], Any]
     options: tuple[Option, ...] = ()
 
 
-def _delta_at(config, tokens, ratio, fitted):
-    pages = max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))
-    kw = dict(budget_pages=pages, recent_pages=max(1, min(8, pages // 4)))
+def _share_or_tokens(budget: Budget) -> tuple[float | None, int | None]:
+    """(ratio, None) for a `Ratio`, (None, tokens) for a `TopK`."""
+    if not isinstance(budget, Budget) or budget.kind not in ("ratio", "fixed"):
+        raise ValueError(f"budget={budget!r}: expected methods.Ratio(share of each row) or "
+                         "methods.TopK(tokens)")
+    return (budget.value, None) if budget.kind == "ratio" else (None, int(budget.value))
+
+
+# The forced windows at a ratio cannot follow each row's budget (they are static): the
+# attention sinks (StreamingLLM's 4 tokens) and the current page.
+RATIO_SINKS, RATIO_RECENT = 4, DEFAULT_PAGE_SIZE
+
+
+def _delta_at(config, budget, fitted):
+    ratio, tokens = _share_or_tokens(budget)
+    kw = (dict(ratio=ratio) if tokens is None else
+          dict(budget_pages=max(1, math.ceil(tokens / DEFAULT_PAGE_SIZE))))
     if "delta" in fitted.calibration:
         return DELTA.from_calibration(fitted.calibration["delta"], **kw)
-    return DELTA(**kw).scaled_to(config.num_layers)
+    return DELTA(**kw)
 
 
-def _kascade_at(config, tokens, ratio, fitted):
+def _kascade_at(config, budget, fitted):
+    ratio, tokens = _share_or_tokens(budget)
+    kw = dict(ratio=ratio, min_k=0) if tokens is None else dict(k=tokens)
     if "kascade" in fitted.calibration:
-        return Kascade.from_calibration(fitted.calibration["kascade"], ratio=ratio, min_k=0)
-    return Kascade(ratio=ratio, min_k=0).scaled_to(config.num_layers)
+        return Kascade.from_calibration(fitted.calibration["kascade"], **kw)
+    return Kascade(**kw)
 
 
-def _lychee_at(config, tokens, ratio, fitted):
+def _lychee_at(config, budget, fitted):
     heads = fitted.retrieval_heads
     if heads is None:
         heads = random_retrieval_heads(config, max(1, (config.num_layers - 1)
                                                    * config.num_kv_heads // 8))
+    ratio, tokens = _share_or_tokens(budget)
+    if tokens is None:
+        return Lychee(heads, budget=Ratio(ratio), sinks=RATIO_SINKS, recent=RATIO_RECENT)
     return Lychee(heads, budget=TopK(tokens), sinks=min(128, tokens // 8),
                   recent=min(256, tokens // 4))
+
+
+def _streaming_at(config, budget, fitted):
+    ratio, tokens = _share_or_tokens(budget)
+    if tokens is None:
+        return StreamingLLM(sinks=RATIO_SINKS, ratio=ratio)
+    return StreamingLLM(sinks=4, window=max(1, tokens - 4))
+
+
+def _by_budget(make_ratio, make_tokens):
+    def at(config, budget, fitted):
+        ratio, tokens = _share_or_tokens(budget)
+        return make_ratio(ratio) if tokens is None else make_tokens(tokens)
+    return at
 
 
 _SINKS = Option("--sinks", "sinks", "always-kept first tokens")
 REGISTRY: dict[str, MethodSpec] = {
     "dense": MethodSpec(Dense, "every layer attends to the whole cache",
-                        lambda config, tokens, ratio, fitted: Dense()),
+                        lambda config, budget, fitted: Dense()),
     "oracle": MethodSpec(OracleTopK, "exact top-k of every layer's own attention (the ceiling)",
-                         lambda config, tokens, ratio, fitted: OracleTopK(k=tokens)),
-    "streaming": MethodSpec(
-        StreamingLLM, "attention sinks and a recent window",
-        lambda config, tokens, ratio, fitted: StreamingLLM(sinks=4, window=max(1, tokens - 4)),
-        (_SINKS,)),
-    "quest": MethodSpec(
-        Quest, "per-query-head page bounds",
-        lambda config, tokens, ratio, fitted: Quest(token_budget=tokens,
-                                                    dense_layers=min(2, config.num_layers))),
+                         _by_budget(lambda r: OracleTopK(ratio=r), lambda n: OracleTopK(k=n))),
+    "streaming": MethodSpec(StreamingLLM, "attention sinks and the most recent tokens",
+                            _streaming_at, (_SINKS,)),
+    "quest": MethodSpec(Quest, "per-query-head page bounds",
+                        _by_budget(lambda r: Quest(ratio=r), lambda n: Quest(token_budget=n))),
     "tidal": MethodSpec(
         TidalDecode, "per-query-head top-k re-selected at a few layers",
-        lambda config, tokens, ratio, fitted: TidalDecode(k=tokens).scaled_to(config.num_layers),
+        _by_budget(lambda r: TidalDecode(ratio=r), lambda n: TidalDecode(k=n)),
         (Option("--select-layers", "select_layers", "layers that select", nargs="+"),)),
     "delta": MethodSpec(
         DELTA, "pages chosen at a few Δ-layers, reused by the layers after them", _delta_at,
@@ -553,11 +705,10 @@ def fitted_beside(model_dir: str | Path | None, model, calibrated: bool = True) 
     return Fitted(heads, calibration)
 
 
-def budget_ratio_methods(config: ModelConfig, ratio: float, context: int, *,
-                         retrieval_heads=None, calibration=None) -> dict[str, Any]:
-    """Every registered method at one budget ratio of the context (see `MethodSpec`)."""
-    if not (math.isfinite(ratio) and 0 < ratio <= 1):
+def budget_ratio_methods(config: ModelConfig, ratio: float, *, retrieval_heads=None,
+                         calibration=None) -> dict[str, Any]:
+    """Every registered method at `ratio` of each row's own length (see `MethodSpec`)."""
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and 0 < ratio <= 1):
         raise ValueError(f"ratio={ratio}: expected a budget ratio in (0, 1]")
     fitted = Fitted(retrieval_heads, calibration or {})
-    tokens = max(1, math.ceil(ratio * context))
-    return {name: spec.at_budget(config, tokens, ratio, fitted) for name, spec in REGISTRY.items()}
+    return {name: spec.at_budget(config, Ratio(ratio), fitted) for name, spec in REGISTRY.items()}

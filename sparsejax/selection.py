@@ -112,9 +112,6 @@ def unit_scores(s: Selector, scores: jax.Array, page_size: int, lengths: jax.Arr
     (`sharded_attention.HeadShards`, inside its shard_map only): this device holds a slice of
     the heads, and the rules that pool over every head (MAX_HEADS, ALL_HEADS_SUM) reduce
     across devices."""
-    B = lengths.shape[0]
-    if s.score == Score.NONE:
-        return jnp.zeros((B, 1, 1), jnp.float32)
     if s.score == Score.MAX_HEADS:         # [B, pages] page sums
         if head_shards is not None:        # [B, HQ on this device, T] probabilities
             per_token = head_shards.max(jnp.max(scores, axis=1))
@@ -144,7 +141,9 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows 
     n_units = max_units(capacity, s.unit)
     valid = jnp.repeat(valid_units, G).astype(jnp.int32)
     k = buffer_size(s, capacity)
-    if isinstance(scores, LogitRows) and score_route(s, head_shards is not None).rows_poolable:
+    if s.score == Score.NONE:   # StreamingLLM: ranked by position, the newest first
+        rows = jnp.broadcast_to(jnp.arange(n_units, dtype=jnp.float32), (B * G, n_units))
+    elif isinstance(scores, LogitRows) and score_route(s, head_shards is not None).rows_poolable:
         if scores.shape != (B, G, n_units):
             raise ValueError(f"scores: LogitRows of shape {scores.shape}: expected "
                              f"{(B, G, n_units)} (batch, groups, capacity)")
@@ -155,7 +154,7 @@ def select(plan: SparsePlan, config: ModelConfig, scores: jax.Array | LogitRows 
                                scores.scores(), -jnp.inf)
         u = unit_scores(s, scores, plan.page_size, lengths, head_shards)
         u = jnp.broadcast_to(u, (B, G, u.shape[-1]))
-        if u.shape[-1] < n_units:   # Score.NONE, or kernels that return fewer columns
+        if u.shape[-1] < n_units:   # kernels that return fewer columns
             u = jnp.pad(u, ((0, 0), (0, 0), (0, n_units - u.shape[-1])),
                         constant_values=-jnp.inf)
         rows = u[..., :n_units].reshape(B * G, n_units)
@@ -183,13 +182,15 @@ def select_tiles(plan: SparsePlan, scores: jax.Array, tile_lo: jax.Array,
 
 
 def budget_rows(s: Selector, rows: jax.Array, valid: jax.Array, k: int) -> jax.Array:
-    """Per-row budget (units) from the selector's budget rule, capped by the buffer size."""
+    """Per-row budget (units) from the selector's budget rule, capped by the buffer size. A
+    ratio applies to each row's own valid units (its length now, generated tokens included)
+    and keeps at least one unit of a non-empty row."""
     b = s.budget
     logits = s.score.is_logit
     if b.kind == "fixed":
         k_row = fixed_budget(int(b.value), valid)
     elif b.kind == "ratio":
-        k_row = ratio_budget(b.value, valid, minimum=b.minimum)
+        k_row = ratio_budget(b.value, valid, minimum=max(1, b.minimum))
     elif b.kind == "top_p":
         k_row = top_p_budget(rows, b.value, valid, logits=logits)
     else:

@@ -109,7 +109,7 @@ def test_non_finite_training_knobs_are_refused(model):
         with pytest.raises(ValueError, match=f"{name}=inf: expected a finite value > 0"):
             gates.train_gates(model, _RandomGateData(), **{**GATE_TRAINING, name: math.inf})
     with pytest.raises(ValueError, match=r"ratio=nan: expected a budget ratio in \(0, 1\]"):
-        M.budget_ratio_methods(CFG, math.nan, 64)
+        M.budget_ratio_methods(CFG, math.nan)
 
 
 @pytest.mark.parametrize("kwargs,match", [

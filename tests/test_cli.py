@@ -8,6 +8,7 @@ import re
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import sparsejax
@@ -53,8 +54,9 @@ def test_every_registry_method_is_accepted_by_the_cli_eval_and_demo(monkeypatch)
     parser, _ = subcommands()
     for name, spec in M.REGISTRY.items():
         assert parser.parse_args(["generate", "--prompt", "x", "--method", name]).method == name
-        method = spec.at_budget(config, 32, 0.125, M.Fitted())
-        assert isinstance(method, spec.constructor) and method.to_plan(config).roles
+        for budget in (M.TopK(32), M.Ratio(0.125)):
+            method = spec.at_budget(config, budget, M.Fitted())
+            assert isinstance(method, spec.constructor) and method.to_plan(config).roles
     assert evaluation.parse_methods(",".join(M.REGISTRY)) == list(M.REGISTRY)
     assert set(M.REGISTRY) <= set(evaluation.parse_methods(demo.DEMO_METHODS))
     # a method added to the registry alone reaches the CLI (with its option) and eval
@@ -240,3 +242,56 @@ assert backend == "svg" and matplotlib.get_backend() == backend, matplotlib.get_
                           env={**os.environ, "MPLBACKEND": "svg"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- --tp end to end on host devices ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """cli_tp_checks.py on 2 host devices (--tp 1 and --tp 2 on explicit- and auto-axes
+    meshes) and on 8 (--tp 8), each in its own process: the device count is fixed when JAX
+    starts."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    runs = {}
+    for devices in (2, 8):
+        out = tmp_path_factory.mktemp("tp") / f"tp{devices}.json"
+        proc = subprocess.run([sys.executable, str(Path(__file__).parent / "cli_tp_checks.py"),
+                               str(devices), str(out)], env=env, capture_output=True, text=True,
+                              timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[devices] = json.loads(out.read_text())
+    return runs
+
+
+@pytest.mark.slow      # three processes' compiles: ~1.5 min of CPU
+@pytest.mark.parametrize("run_name", ["tp2/explicit", "tp2/auto", "tp8/explicit"])
+def test_tp_commands_match_one_device(tp_runs, run_name):
+    """generate, eval and calibrate with --tp print and write what --tp 1 does: the same text,
+    accuracy, recall and error, and the same calibration (the file names the same model:
+    the fingerprint of the sharded weights is the unsharded one's)."""
+    devices = int(run_name[2])
+    assert tp_runs[devices]["devices"] == devices
+    assert tp_runs[devices][f"{run_name}/axis_types"] == (
+        ["Explicit"] if run_name.endswith("explicit") else ["Auto"])
+    want, got = tp_runs[2]["tp1"], tp_runs[devices][run_name]
+    assert want["generate"]["delta"] == "39 20 34\n"        # the model answers at --tp 1
+    assert got["generate"] == want["generate"]
+    for w, g in zip(want["eval"], got["eval"], strict=True):
+        assert (g["method"], g["task"], g["accuracy"]) == (w["method"], w["task"], w["accuracy"])
+        assert g["mean_recall"] == pytest.approx(w["mean_recall"], abs=1e-4)
+        assert g["mean_attn_error"] == pytest.approx(w["mean_attn_error"], abs=1e-4)
+    assert got["calibrate"]["layers"] == want["calibrate"]["layers"]
+    assert got["calibrate"]["model"] == want["calibrate"]["model"]
+    np.testing.assert_allclose(np.asarray(got["calibrate"]["curves"]["shift"], float),
+                               np.asarray(want["calibrate"]["curves"]["shift"], float),
+                               atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tp_builds_an_explicit_axes_mesh(tp_runs):
+    assert tp_runs[2]["cli_mesh_axis_types"] == ["Explicit"]
+    assert tp_runs[8]["cli_mesh_axis_types"] == ["Explicit"]

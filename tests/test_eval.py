@@ -127,7 +127,7 @@ def test_lossless_rows_score_dense_accuracy_and_the_acceptance_of_generate():
     # the acceptance a direct lossless generate reports on the same prompts
     prompts = [data.make_sample(t, CONTEXT, 0, i) for i in range(2) for t in tasks]
     ids, lengths = data.prompt_batch(prompts)
-    drafter = evaluation.build_methods(model.config, ["streaming+spec"], 0.1, CONTEXT)
+    drafter = evaluation.build_methods(model.config, ["streaming+spec"], 0.1)
     out = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=data.MAX_ANSWER_TOKENS,
                              eos_token_id=data.EOS_ID, method=drafter["streaming+spec"],
                              draft_tokens=gamma)

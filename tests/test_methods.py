@@ -368,3 +368,82 @@ def test_per_layer_and_stacked_params_decode_alike(model, prompts, name):
     for key in ("recall", "attn_error"):
         np.testing.assert_allclose(np.asarray(outs[0].diagnostics[key]),
                                    np.asarray(outs[1].diagnostics[key]), rtol=1e-4, atol=1e-5)
+
+
+# ---- budgets per row ---------------------------------------------------------------------------
+RATIO = 0.25
+
+
+@pytest.fixture(scope="module")
+def registry_at_ratio():
+    """Every registered method at RATIO of each row's length, as LLM, eval and the CLI run it."""
+    return {name: spec.at_budget(CFG, M.Ratio(RATIO), M.Fitted())
+            for name, spec in M.REGISTRY.items()}
+
+
+@pytest.fixture(scope="module")
+def batch_tokens(model, prompts, registry_at_ratio):
+    return {name: np.asarray(sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=5,
+                                                method=method).tokens)
+            for name, method in registry_at_ratio.items()}
+
+
+@pytest.mark.parametrize("name", list(M.REGISTRY))
+def test_a_row_alone_decodes_as_in_a_longer_batch(model, prompts, registry_at_ratio,
+                                                  batch_tokens, name):
+    """A ratio budget applies to each row's own length: the shortest row (93 tokens) decoded
+    alone, in a cache and selection buffer sized for it, gives the tokens it gives beside
+    rows of 150 and 200 tokens."""
+    short = int(np.argmin(LENGTHS))
+    alone = sparsejax.generate(model, prompts[short:short + 1, :LENGTHS[short]],
+                               max_new_tokens=5, method=registry_at_ratio[name])
+    np.testing.assert_array_equal(np.asarray(alone.tokens)[0], batch_tokens[name][short])
+
+
+def test_the_ratio_budgets_select(batch_tokens, dense_tokens):
+    """The control that gives the equalities above teeth: at RATIO most methods decode other
+    tokens than dense on these prompts."""
+    differ = [n for n, t in batch_tokens.items() if n != "dense" and
+              not np.array_equal(t, dense_tokens[16])]
+    assert len(differ) >= 5, differ
+
+
+def test_ratio_budgets_grow_with_the_row_and_its_tokens():
+    """The static buffer holds the largest row's budget (sized from the cache capacity); the
+    per-row k is the ratio of each row's current length, generated tokens included."""
+    from sparsejax.selection import budget_rows, buffer_size
+
+    plan = M.Kascade(ratio=0.1, min_k=0).to_plan(CFG)
+    valid = jnp.array([9, 30, 95, 400], jnp.int32)
+    k = buffer_size(plan.selector, 400)
+    assert k == 40
+    k_row = budget_rows(plan.selector, jnp.zeros((4, 400)), valid, k)
+    np.testing.assert_array_equal(np.asarray(k_row), [1, 3, 9, 40])   # at least one unit
+    delta = M.DELTA(ratio=0.5).to_plan(CFG).selector
+    assert buffer_size(delta, 400) == 13                 # ceil(0.5 * 25 pages)
+    pages = jnp.array([2, 7, 25], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(budget_rows(delta, jnp.zeros((3, 25)), pages, 13)),
+                                  [1, 3, 12])
+
+
+def test_full_ratio_equals_dense_past_the_prompt(model):
+    """budget_ratio=1.0 is dense for every registered method, also once a row has generated
+    more tokens than its prompt held (a budget fixed at the prompt's length would not be)."""
+    rng = np.random.default_rng(3)
+    lengths = np.array([10, 40, 27], np.int32)
+    ids = rng.integers(0, CFG.vocab_size, (3, 40)).astype(np.int32)
+    want = np.asarray(sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=16).tokens)
+    for name, spec in M.REGISTRY.items():
+        method = spec.at_budget(CFG, M.Ratio(1.0), M.Fitted())
+        got = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=16, method=method)
+        np.testing.assert_array_equal(np.asarray(got.tokens), want, err_msg=name)
+
+
+def test_streaming_at_a_ratio_keeps_the_sinks_and_the_newest(model, prompts):
+    _, diag, _ = one_step(model, prompts, M.StreamingLLM(sinks=3, ratio=0.1))
+    for b in range(3):
+        n = LENGTHS[b] + 1
+        keep = int(0.1 * n)
+        want = list(range(3)) + list(range(n - (keep - 3), n))
+        for layer in range(CFG.num_layers):
+            assert selected(diag, layer, b, 0) == want

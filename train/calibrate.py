@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sparsejax import sharding
 from sparsejax.artifacts import CALIBRATED_METHODS, save_calibration
@@ -118,8 +119,11 @@ def _layer_scores(model, cache, query, score: str) -> jax.Array:
     tables = layer_page_ids(cache.page_table[None], layers, cache.num_pages).reshape(L * B, -1)
     k, v = layer_pages(cache.k), layer_pages(cache.v)
     copies = k.shape[1] // model.config.num_kv_heads
-    if copies > 1:   # a cache laid out for a mesh holds each KV head `copies` times
-        k, v = k[:, ::copies], v[:, ::copies]
+    if copies > 1:   # a cache laid out for a mesh holds each KV head `copies` times: one
+        # copy of each, from K/V gathered first (an explicit-axes mesh refuses a strided slice
+        # of the sharded head axis)
+        whole = NamedSharding(model.mesh, PartitionSpec())
+        k, v = (jax.sharding.reshard(x, whole)[:, ::copies] for x in (k, v))
     scores = paged_decode_attention(
         query.reshape((L * B,) + query.shape[2:]), k, v, tables, jnp.tile(cache.lengths, L),
         score=score).scores
