@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sparsejax import methods as M
-from sparsejax.generate import bucket_length, generate
+from sparsejax.generate import generate
 from sparsejax.models import from_pretrained, load_tokenizer
 from sparsejax.models.loading import checkpoint_dir, generation_config
 
@@ -112,10 +112,11 @@ class LLM:
     """A checkpoint (directory or Hub id), its tokenizer and a decoding method.
 
     method: None (dense), a method of `sparsejax.methods`, or a `methods.REGISTRY` name, run
-    at `budget_ratio` of the batch's length bucket (its longest prompt rounded up by
-    `sparsejax.generate.bucket_length`, so one bucket runs one method and compiles once) with
-    what ships beside the checkpoint (`methods.fitted_beside`; `calibrated=False` keeps the
-    defaults scaled to the depth). dtype: "auto" is the checkpoint's (`from_pretrained`).
+    at `budget_ratio` of each row's own length (so a prompt's completion does not depend on
+    the prompts batched with it) with what ships beside the checkpoint
+    (`methods.fitted_beside`; `calibrated=False` keeps the defaults scaled to the depth).
+    Prompts pad to a length bucket (`sparsejax.generate.bucket_length`): one compile serves
+    every length in a bucket. dtype: "auto" is the checkpoint's (`from_pretrained`).
     """
 
     def __init__(self, path_or_id: str | Path, *, method=None, dtype="auto",
