@@ -43,9 +43,8 @@ def pools_in_topk(s: Selector) -> bool:
     instead of pooled ones written by an epilogue and read back: where one head's logit
     makes each score (Lychee, Tidal), whose float16 rows also load in half the bytes.
     Kascade's group sums keep the epilogue: the top-k recomputes a G-head pooling on every
-    read of a row, so it only wins where the row is read once (H200, B=64: anchor layer
-    1.126x dense against 1.133x at 32k, resident rows; 1.20x against 1.13x at 16k and 1.25x
-    against 1.21x at 64k, re-read rows)."""
+    read of a row, so it only wins where the row is read once, and re-read rows lose more
+    than resident ones gain (docs/tuning.md)."""
     return topk_can_pool(s) and s.score != Score.GROUP_SUM
 
 
