@@ -220,7 +220,7 @@ def main():
         return
     path = harness.write_results(
         harness.per_gpu_name("topk_matrix" if args.matrix else "topk"), rows,
-        kernel="pallas_kernels/topk.py: per-row radix select (32-step bitwise search), rows "
+        kernel="pallas_kernels/topk/: per-row radix select (32-step bitwise search), rows "
         "split across programs (8 radix passes over chunks, one compaction), or a strided "
         "sample's threshold, its candidates counted, compacted and selected per row",
         timing="GPU time per call (profiler), lax.top_k likewise",

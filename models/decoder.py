@@ -79,8 +79,8 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: flo
 
 # ---- the two layer layouts ------------------------------------------------------------------
 # The per-layer layout concatenates the weights that read the same input, so one matmul does
-# the work of several: at batch 1 on an H200, separate q/k/v projections of Llama-3.1-8B run
-# at ~1.1 TB/s and one fused projection at ~3.0 TB/s (benchmarks/results/profile_matmul.json).
+# the work of several: at batch 1 one fused projection streams its weights far faster than
+# separate q/k/v ones (docs/tuning.md).
 #   wqkv [H, HQ + 2 HK, D] = wq | wk | wv,  bqkv [HQ + 2 HK, D],  w_gate_up [H, 2, I]
 
 
@@ -169,9 +169,8 @@ def _dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
     A single row (batch 1 at decode) goes in as two, the second zeros, and comes out as one:
     XLA turns a one-row dot into a multiply and a reduce (weights under ~10M elements) or a
-    slower gemm, where two rows take the gemm of larger batches (H200, bf16, per projection:
-    DS-Qwen-1.5B's qkv 9.7 -> 6.2 us, o_proj 8.4 -> 4.4, Llama-8B's 2-3 us less). Every row
-    is its own dot, so the row's result does not change."""
+    slower gemm, where two rows take the faster gemm of larger batches (docs/tuning.md).
+    Every row is its own dot, so the row's result does not change."""
     contracted = len(spec.split(",")[0].removeprefix("..."))
     lead = x.shape[:x.ndim - contracted]
     single = math.prod(lead) == 1

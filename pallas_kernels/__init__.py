@@ -3,7 +3,7 @@
 `backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere; dense bf16/f16
 prefill chunks of 512+ queries take cuDNN on a GPU (`prefill_attention.CUDNN_MIN_CHUNK`).
 """
-from .decode_attention import (DecodeAttention, paged_decode_attention,
+from .decode_attention import (DecodeAttention, LogitRows, paged_decode_attention,
                                paged_decode_attention_reference, pool_logit_rows)
 from .page_bound import quest_page_bound, quest_page_bound_reference
 from .prefill_attention import (PrefillAttention, paged_prefill_attention,
@@ -11,7 +11,7 @@ from .prefill_attention import (PrefillAttention, paged_prefill_attention,
                                 paged_tile_scores_reference)
 from .sparse_attention import (SparseAttention, sparse_decode_attention,
                                sparse_decode_attention_reference)
-from .topk import (LogitRows, Selected, fixed_budget, ratio_budget, threshold_budget, top_p_budget,
+from .topk import (Selected, fixed_budget, ratio_budget, threshold_budget, top_p_budget,
                    topk_select, topk_select_reference)
 
 __all__ = [

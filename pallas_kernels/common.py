@@ -1,5 +1,11 @@
-"""Plumbing shared by every kernel family: backend choice, Triton compiler params, the LSE combine,
-the score rules, the selection group each query head reads.
+"""Plumbing shared by every kernel family: backend choice, the shapes the kernels take, Triton
+compiler params, the tuning convention, the LSE combine, the score rules, the selection group
+each query head reads.
+
+Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
+static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
+merged by `resolve_tuning`. The measurements behind the defaults are in docs/tuning.md
+(`## Kernels`).
 
 The LSE combine lives here once: split-K reduction, hybrid dense/sparse merges and RESA all
 call `merge_partials`; `merge_splits` is the same combine as one Pallas kernel, for the
@@ -36,7 +42,14 @@ with _triton_on_purpose():
 
 Backend = Literal["auto", "pallas", "reference"]
 BACKENDS = ("auto", "pallas", "reference")
-NUM_SMS = 132  # H100/H200: the kernels' default grids aim at a few waves of this many SMs
+# What the paged kernels take (`pallas_support`); other shapes run the references.
+HEAD_DIMS = (64, 128, 256)
+PAGE_SIZES = (8, 16, 32, 64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_GROUP = 16  # query heads per KV head: the GQA group fits one 16-row Triton dot
+# SMs assumed where no GPU can be asked (CPU, interpret mode): the GPUs the defaults were
+# tuned on have this many (docs/tuning.md), so the CPU tests see their default knobs.
+DEFAULT_NUM_SMS = 132
 
 
 _auto_override: list[str] = []
@@ -44,6 +57,16 @@ _auto_override: list[str] = []
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device: the kernels' default grids aim at a
+    few waves of this many programs. Asked of the GPU on first use (not at import, so that
+    importing the kernels initialises no backend); DEFAULT_NUM_SMS without a GPU."""
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return int(count) if count else DEFAULT_NUM_SMS
 
 
 @contextlib.contextmanager
@@ -87,20 +110,26 @@ def choose_backend(backend: str, unsupported: str | None) -> str:
     return chosen
 
 
-def pallas_support(q, k_pages, *, head_dims, page_sizes, dtypes, max_group: int) -> str | None:
+def pallas_support(q, k_pages) -> str | None:
     """Why the paged kernels cannot run these shapes, or None. q [B, HQ, D],
-    k_pages [num_pages, HK, P, D]."""
+    k_pages [num_pages, HK, P, D]: head_dim in HEAD_DIMS, page size in PAGE_SIZES, a dtype
+    of DTYPES, groups up to MAX_GROUP."""
     _, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
-    if head_dim not in head_dims:
-        return f"head_dim={head_dim}: expected one of {head_dims}"
-    if page_size not in page_sizes:
-        return f"page_size={page_size}: expected one of {page_sizes}"
-    if q.dtype not in dtypes:
-        return f"q.dtype={q.dtype}: expected one of {tuple(str(jnp.dtype(d)) for d in dtypes)}"
-    if num_heads // kv_heads > max_group:
-        return f"group size {num_heads // kv_heads}: expected at most {max_group}"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim={head_dim}: expected one of {HEAD_DIMS}"
+    if page_size not in PAGE_SIZES:
+        return f"page_size={page_size}: expected one of {PAGE_SIZES}"
+    if q.dtype not in DTYPES:
+        return f"q.dtype={q.dtype}: expected one of {tuple(str(jnp.dtype(d)) for d in DTYPES)}"
+    if num_heads // kv_heads > MAX_GROUP:
+        return f"group size {num_heads // kv_heads}: expected at most {MAX_GROUP}"
     return None
+
+
+def resolve_tuning(defaults: dict, **given) -> dict:
+    """A kernel's `default_tuning` overridden by the knobs its caller gave (those not None)."""
+    return {**defaults, **{name: value for name, value in given.items() if value is not None}}
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -111,9 +140,8 @@ def resolve_interpret(interpret: bool | None) -> bool:
 def dot_precision(dtype, interpret: bool):
     """The precision of a compute-bound kernel's dots. f32 inputs on the GPU: three-pass TF32
     (Triton's tf32x3), about f32's accuracy on the tensor cores, where IEEE f32 dots run on
-    the CUDA cores (H100, the embedded model's f32 prefill of 16 x 4096 tokens in chunks of
-    1024: the prefill kernel 2485 -> 60 ms); interpret mode keeps IEEE (XLA on the CPU has no
-    TF32). bf16/f16 dots are the same under either. The memory-bound decode kernels keep
+    the far slower CUDA cores (docs/tuning.md); interpret mode keeps IEEE (XLA on the CPU has
+    no TF32). bf16/f16 dots are the same under either. The memory-bound decode kernels keep
     IEEE."""
     if jnp.dtype(dtype) == jnp.float32 and not interpret:
         return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
@@ -239,9 +267,8 @@ def merge_splits(out: jax.Array, lse: jax.Array, *, out_dtype, interpret: bool,
     empty split, whose out is never read) -> (out [A, C, D] out_dtype, lse [A, C] f32).
 
     One program per (a, c), loading `chunk` partials at a time. Default: 32 at 1 warp, 64 at
-    2 warps from 128 padded splits (H100, D = 128: [1, 66, 32] 3.2 us against XLA's 6.4,
-    [1, 128, 12] 3.2 against 7.1, [64, 2, 32] 2.5 against 3.5; chunks of 8-64 at 1-4 warps
-    swept)."""
+    2 warps from 128 padded splits: the fastest of a sweep of chunks and warps, and about
+    twice as fast as XLA's four launches (docs/tuning.md)."""
     outer, splits, rows, head_dim = out.shape
     wide = next_power_of_2(splits) >= 128
     chunk = chunk or (64 if wide else 32)

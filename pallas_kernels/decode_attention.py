@@ -20,6 +20,7 @@ no V is read and no output computed, about half the bytes of the dense pass.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -30,20 +31,116 @@ import numpy as np
 from jax import lax
 
 from sparsejax.pallas_kernels import common
-from sparsejax.pallas_kernels.common import pl, plgpu
-from sparsejax.pallas_kernels.topk import LogitRows
+from sparsejax.pallas_kernels.common import Score, pl, plgpu
 
-SCORES = (None, "max_heads", "group_sum", "mean_query", "head_probs")
-UNPOOLED_SCORES = ("group_sum", "mean_query", "head_probs")  # as LogitRows, pool_scores=False
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (8, 16, 32, 64, 128)
-DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-MAX_GROUP = 16
+SCORES = (Score.MAX_HEADS, Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS)  # the kernel's
+UNPOOLED_SCORES = (Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS)  # as LogitRows too
 BLOCK_G = 16  # query rows per program: the GQA group padded to the smallest Triton dot M
 # Splits for a concrete kv_heads mask, sized for the heads it keeps, stop here: the skipped
-# heads' partials are written and merged too (Llama-8B shapes, B=1, one head of eight, a
-# 131k-token cache: 512 splits cost 4k contexts 5 us a layer in the merge).
+# heads' partials are written and merged too, and past this the merge costs short contexts
+# more than the extra splits save (docs/tuning.md).
 MAX_MASKED_SPLITS = 128
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["relative", "block_max", "lse"], meta_fields=["block_n"])
+@dataclasses.dataclass(frozen=True)
+class LogitRows:
+    """Score rows as the dense decode kernel leaves them, pooled where they are read: the
+    top-k loads these instead of a materialised [R, N] float32 copy.
+
+    With m = block_max[..., g, t // block_n], the score at column t is
+      lse given:  sum over g of exp(relative[..., g, t]) * exp(m - lse[..., g])
+                  (probabilities of the heads g, summed in order g = 0, 1, ...; the second
+                  factor is one per key block, so a column costs one exp per head)
+      lse None:   relative[..., 0, t] + m  (a logit; one head)
+    relative <= 0 (logits minus a running max m >= them) keeps the first factor in (0, 1].
+    `topk_select` takes [R, G, N] rows; the kernel returns a leading [B, groups] instead.
+    The pooling lives here once: `scores()` on arrays, `load_tile` on a top-k kernel's tiles.
+    """
+    relative: jax.Array     # [..., G, N] float16 or float32: logits minus a running max
+    block_max: jax.Array    # [..., G, ceil(N / block_n)] float32: that max per key block
+    lse: jax.Array | None   # [..., G] float32: each head's log-sum-exp; None: logits
+    block_n: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The score array's shape: the leading dims and N."""
+        return (*self.relative.shape[:-2], self.relative.shape[-1])
+
+    def take(self, groups) -> "LogitRows":
+        """The rows of `groups` along the groups axis (as `scores[:, groups]`)."""
+        def pick(x):
+            return None if x is None else jnp.take(x, jnp.asarray(groups), axis=1)
+        return LogitRows(pick(self.relative), pick(self.block_max), pick(self.lse),
+                         self.block_n)
+
+    def rows(self) -> "LogitRows":
+        """Leading dims flattened: [R, G, N] rows for `topk_select`."""
+        def flat(x, trailing):
+            return None if x is None else x.reshape(-1, *x.shape[x.ndim - trailing:])
+        return LogitRows(flat(self.relative, 2), flat(self.block_max, 2), flat(self.lse, 1),
+                         self.block_n)
+
+    def _per_column(self, per_block: jax.Array) -> jax.Array:
+        """[..., G, num_blocks] -> [..., G, N]: each key block's value at its columns."""
+        return jnp.repeat(per_block, self.block_n, axis=-1)[..., :self.relative.shape[-1]]
+
+    def logits(self) -> jax.Array:
+        """Each head's logits [..., G, N] float32: relative plus its key block's max."""
+        return self.relative.astype(jnp.float32) + self._per_column(self.block_max)
+
+    def scores(self) -> jax.Array:
+        """The materialised scores [..., N] float32."""
+        per_column = self._per_column(
+            _block_term(self.block_max, None if self.lse is None else self.lse[..., None]))
+        return _pool_heads(lambda g: self.relative[..., g, :], lambda g: per_column[..., g, :],
+                           self.relative.shape[-2], probs=self.lse is not None)
+
+    def load_tile(self, rows, row_ok, start, width: int, stride: int, present):
+        """Inside a kernel (the fields are refs; the top-k's): the scores of rows [BR] x
+        columns (start + [0, width)) * stride, masked by `present` [BR, W]; start is a
+        multiple of width."""
+        cols = (start + lax.iota(jnp.int32, width)[None, :]) * stride
+        num_blocks, block_n = self.block_max.shape[-1], self.block_n
+        lse = None if self.lse is None else (
+            lambda g: plgpu.load(self.lse.at[rows, g], mask=row_ok, other=0)[:, None])
+        if stride == 1 and width % block_n == 0:
+            # whole key blocks: one block term per block, broadcast over its columns
+            blocks = start // block_n + lax.iota(jnp.int32, width // block_n)[None, :]
+            ok = row_ok[:, None] & (blocks < num_blocks)
+
+            def per_column(g):
+                m = plgpu.load(self.block_max.at[rows[:, None], g, blocks], mask=ok, other=0)
+                term = _block_term(m, None if lse is None else lse(g))
+                return jnp.broadcast_to(term[:, :, None], (*term.shape, block_n)).reshape(
+                    term.shape[0], width)
+        else:  # strided or part of a block: gather each column's block max
+            def per_column(g):
+                m = plgpu.load(self.block_max.at[rows[:, None], g, cols // block_n],
+                               mask=present, other=0)
+                return _block_term(m, None if lse is None else lse(g))
+        return _pool_heads(
+            lambda g: plgpu.load(self.relative.at[rows[:, None], g, cols], mask=present,
+                                 other=0),
+            per_column, self.relative.shape[-2], probs=lse is not None)
+
+
+def _block_term(block_max, lse):
+    """What a key block contributes to each of its columns: exp(m - lse) (probabilities),
+    or m (logits, lse None)."""
+    return block_max if lse is None else jnp.exp(block_max - lse)
+
+
+def _pool_heads(relative, per_column, heads: int, probs: bool):
+    """The one formula of `LogitRows`, on jnp arrays or kernel tiles: relative(g) and
+    per_column(g) (`_block_term` at each column) -> the pooled scores."""
+    total = None
+    for g in range(heads):
+        x = relative(g).astype(jnp.float32)
+        term = jnp.exp(x) * per_column(g) if probs else x + per_column(g)
+        total = term if total is None else total + term
+    return total
 
 
 class DecodeAttention(NamedTuple):
@@ -72,7 +169,7 @@ def _decode_kernel(
     block_n: int,
     num_splits: int,
     max_tokens: int,
-    score: str | None,
+    score: Score | None,
     values: bool,
 ):
     out_ref, lse_ref, *logits_refs = refs if values else (None, *refs)
@@ -119,7 +216,7 @@ def _decode_kernel(
         # Every visited block holds a valid token, so m_new is finite.
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         tokens = pl.ds(j * block_n, block_n)
-        if score == "mean_query":  # relative to the mean of the rows' running maxes
+        if score == Score.MEAN_QUERY:  # relative to the mean of the rows' running maxes
             logits_ref, block_max_ref = logits_refs
             mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
             mean_max = jnp.sum(jnp.where(row_valid, m_new, 0.0)) / group
@@ -171,7 +268,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
         out_shape.insert(0, jax.ShapeDtypeStruct((batch, num_splits, q_heads, head_dim),
                                                  jnp.float32))
     if score is not None:
-        rows = kv_heads if score == "mean_query" else q_heads
+        rows = kv_heads if score == Score.MEAN_QUERY else q_heads
         out_shape += [jax.ShapeDtypeStruct((batch, rows, max_tokens), logits_dtype),
                       jax.ShapeDtypeStruct((batch, rows, common.cdiv(max_tokens, block_n)),
                                            jnp.float32)]
@@ -211,16 +308,17 @@ def _logit_rows(score, relative, block_max, lse, *, kv_heads: int, block_n: int)
     """The kernel's logits [B, R, T] (R = HQ, or HK for mean_query) and their block maxes as
     score rows [B, groups, G, T]: each KV head's query group (group_sum), each query head
     (head_probs; max_heads pools these), each KV head's mean-query logits (mean_query)."""
-    if score == "group_sum":
+    if score == Score.GROUP_SUM:
         batch, q_heads = lse.shape
         def grouped(x):
             return x.reshape(batch, kv_heads, q_heads // kv_heads, *x.shape[2:])
         return LogitRows(grouped(relative), grouped(block_max), grouped(lse), block_n)
     return LogitRows(relative[:, :, None], block_max[:, :, None],
-                     None if score == "mean_query" else lse[:, :, None], block_n)
+                     None if score == Score.MEAN_QUERY else lse[:, :, None], block_n)
 
 
-def pool_logit_rows(score, rows: LogitRows, lengths, *, page_size: int, kv_heads=None):
+def pool_logit_rows(score: Score, rows: LogitRows, lengths, *, page_size: int,
+                    kv_heads=None):
     """The kernel's epilogue: unpooled rows (`pool_scores=False`) -> the pooled `score`, as
     `paged_decode_attention` returns it with pool_scores=True. `kv_heads` is the mask the
     rows were computed under. Positions at or past the length and the heads of skipped KV
@@ -231,7 +329,7 @@ def pool_logit_rows(score, rows: LogitRows, lengths, *, page_size: int, kv_heads
     valid = jnp.arange(max_tokens)[None, None, :] < lengths[:, None, None]  # [B, 1, T]
     if kv_heads is not None:  # per KV head; each query head of a group shares its head's
         valid = valid & jnp.repeat(kv_heads, groups // kv_heads.shape[0])[None, :, None]
-    if score != "max_heads":
+    if score != Score.MAX_HEADS:
         return jnp.where(valid, scores, -jnp.inf)
     per_page = jnp.where(valid, scores, 0.0).max(axis=1).reshape(batch, -1, page_size).sum(-1)
     page_valid = jnp.arange(per_page.shape[1])[None, :] * page_size < lengths[:, None]
@@ -240,34 +338,24 @@ def pool_logit_rows(score, rows: LogitRows, lengths, *, page_size: int, kv_heads
 
 def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
                    dtype, scores: bool = False, values: bool = True) -> dict:
-    """Static knobs chosen from the shapes.
+    """Static knobs chosen from the shapes; `common.num_sms()` SMs make a wave. The sweeps
+    behind each rule are in docs/tuning.md.
 
     block_n: tokens per loop step, sized so a K tile is ~16 KiB (64 tokens at D=128 bf16):
       small enough that 2-stage K/V buffers leave room for several programs per SM, at least
       16 (the Triton dot N) and at most the next power of 2 of max_pages * P.
-    num_splits: enough (batch, kv_head, split) programs for ~4 waves on 132 SMs, i.e.
-      ceil(4 * 132 / (batch * kv_heads)), at most one per key block of the cache. (A floor
-      of 4 blocks per split left B=1 on a cache sized to its context at 16 splits: H100, a
-      4k cache, 65 splits against 16 took the whole step 2.10 -> 1.98 ms at DS-Qwen-1.5B
-      shapes and 6.04 -> 6.00 at Llama-8B's, a 1k cache 2.05 -> 1.90, merge included.)
-    Where the row groups alone fill the SMs (batch x kv_heads >= 132), a power of 2: three
-      splits measured 4-25% slower than two or four (B=32, 8 KV heads, 32k-512k, on an H100
-      and an H200; five, six and eight ran as fast as four). The scores pass alone keeps its
-      doubled count (six at B=32).
+    num_splits: enough (batch, kv_head, split) programs for ~4 waves, at most one per key
+      block of the cache (no floor of blocks per split: short caches want the splits too).
+      Where the row groups alone fill the SMs (batch x kv_heads >= a wave), a power of 2:
+      three splits ran slower than two or four. The scores pass alone keeps its doubled count.
     num_warps=4, num_stages=2; without scores and with 16-bit inputs, 2 warps once the row
-      groups fill two waves (batch x kv_heads >= 264): B=64, 8 KV heads, D=128 bf16, 8k / 32k /
-      128k 1.1 / 2.1 / 0.3% faster on an H100, 4.4 / 4.9 / 0.2% on an H200 (B=32 and B=16 no
-      faster; the scores kernel with 2 warps 1.2-2.4x slower; float32's heavier dots were not
-      measured and keep 4).
-    With scores and at least one program per SM before splitting (batch x kv_heads >= 132):
-      K tiles of 32 KiB (block_n 128 at D=128 bf16) and num_stages 3, half the loop steps that
-      also store logits (H200, B=64, 128k: group_sum 9.31 -> 8.62 ms, mean_query 8.80 ->
-      8.12).
+      groups fill two waves (a little faster there; the scores kernel is slower at 2 warps,
+      and float32's heavier dots keep 4).
+    With scores and at least one program per SM before splitting: K tiles of 32 KiB
+      (block_n 128 at D=128 bf16) and num_stages 3, half the loop steps that also store
+      logits.
     values=False (the scores pass alone, half the bytes per key block): twice the splits, so
-      each program still streams about as many bytes (B=64, group_sum, 2 -> 4 splits: H100
-      32k 1.557 -> 1.534 ms, 128k 6.184 -> 6.105, three runs each; H200, with the epilogue,
-      8k-128k 2.3-5.3% faster, 32k 1.166 -> 1.116 ms; at 512k, B=32, 3 -> 6 splits cost
-      1.3%).
+      each program still streams about as many bytes.
     """
     max_tokens = max_pages * page_size
     block_n = min(128, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
@@ -275,16 +363,17 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     max_blocks = common.cdiv(max_tokens, block_n)
     num_stages = 2
     row_groups = batch * kv_heads
-    if scores and row_groups >= common.NUM_SMS:
+    wave = common.num_sms()
+    if scores and row_groups >= wave:
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
-    num_splits = common.cdiv(4 * common.NUM_SMS, row_groups)
-    if row_groups >= common.NUM_SMS and values:
+    num_splits = common.cdiv(4 * wave, row_groups)
+    if row_groups >= wave and values:
         num_splits = 1 << (num_splits.bit_length() - 1)
     num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
-    num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * common.NUM_SMS else 4
+    num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * wave else 4
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                 num_stages=num_stages)
 
@@ -298,14 +387,25 @@ def _check_tuning(block_n, num_splits, num_warps, num_stages):
         raise ValueError(f"num_stages={num_stages!r}: expected an int >= 1")
 
 
+def as_score(score) -> Score | None:
+    """`score` (a `Score` or its string, or None) as a Score; a ValueError unless the kernel
+    computes it (SCORES)."""
+    if score is None:
+        return None
+    if score not in SCORES:
+        raise ValueError(f"score={score!r}: expected None or one of "
+                         f"{tuple(str(s) for s in SCORES)}")
+    return Score(score)
+
+
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values=True,
                   pool_scores=True):
     """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
-    if score not in SCORES:
-        raise ValueError(f"score={score!r}: expected one of {SCORES}")
+    score = as_score(score)
     if not pool_scores and score not in UNPOOLED_SCORES:
-        raise ValueError(f"pool_scores=False with score={score!r}: only {UNPOOLED_SCORES} "
-                         "come back unpooled (max_heads pools across every head's LSE)")
+        raise ValueError(f"pool_scores=False with score='{score}': only "
+                         f"{tuple(str(s) for s in UNPOOLED_SCORES)} come back unpooled "
+                         "(max_heads pools across every head's LSE)")
     if not values and score is None:
         raise ValueError("values=False computes only the scores: it needs a score, got "
                          "score=None")
@@ -343,7 +443,7 @@ def paged_decode_attention(
     page_table: jax.Array,  # [B, max_pages] int32
     lengths: jax.Array,  # [B] int32
     *,
-    score: str | None = None,
+    score: Score | str | None = None,
     values: bool = True,
     pool_scores: bool = True,
     kv_heads: jax.Array | None = None,  # [HK] bool
@@ -363,7 +463,7 @@ def paged_decode_attention(
     are clipped to the page table's capacity max_pages * P; a row of length 0 gets out 0 and
     lse -inf (the convention of `common.merge_partials`).
 
-    score:
+    score (a `Score` or its string):
       None         -> scores is None.
       "max_heads"  -> [B, max_pages] f32: per token the max over all query heads of the
                       softmax probability, summed inside each page; -inf for pages past the
@@ -377,7 +477,7 @@ def paged_decode_attention(
     values: False runs the scores pass alone (needs a score): V is never read and out is
       None; lse and scores are those of the full pass.
     pool_scores: False (for group_sum, mean_query and head_probs) returns the scores unpooled,
-      as `topk.LogitRows` [B, groups, G, T] (groups = HK, HK, HQ): what the kernel wrote,
+      as `LogitRows` [B, groups, G, T] (groups = HK, HK, HQ): what the kernel wrote,
       which `topk_select` pools while it reads it, so the pooled [B, groups, T] float32
       never round-trips through memory. `LogitRows.scores()` is the pooled array. Positions
       >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
@@ -395,18 +495,19 @@ def paged_decode_attention(
       float16 for 16-bit q, float32 (the logits as computed) for float32 q. The reference is
       exact either way.
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
-      kernel takes head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32 and groups
-      up to 16; other shapes run the reference under "auto" and raise under "pallas".
+      kernel takes what `common.pallas_support` allows (head_dim in HEAD_DIMS, page size in
+      PAGE_SIZES, bf16/f16/f32, groups up to MAX_GROUP); other shapes run the reference
+      under "auto" and raise under "pallas".
     interpret: Pallas interpret mode; None -> on unless a GPU is present.
     block_n, num_splits, num_warps, num_stages: static knobs of the Pallas path; None picks
       `default_tuning`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
                   pool_scores)
+    score = as_score(score)
     logits_dtype = logits_dtype_for(q.dtype, logits_dtype)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
-    unsupported = common.pallas_support(q, k_pages, head_dims=HEAD_DIMS, page_sizes=PAGE_SIZES,
-                                        dtypes=DTYPES, max_group=MAX_GROUP)
+    unsupported = common.pallas_support(q, k_pages)
     # A mask known here (not traced) sizes the splits for the heads it keeps: one retrieval
     # head of eight at B=1 would otherwise run on an eighth of the programs.
     active = None
@@ -440,9 +541,8 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
                             scores=score is not None, values=values)
     if active_kv_heads:  # every head's partials [B, splits, HQ, D] are written and merged
         tuning["num_splits"] = min(tuning["num_splits"], MAX_MASKED_SPLITS)
-    given = dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-                 num_stages=num_stages)
-    tuning.update({k: v for k, v in given.items() if v is not None})
+    tuning = common.resolve_tuning(tuning, block_n=block_n, num_splits=num_splits,
+                                   num_warps=num_warps, num_stages=num_stages)
     _check_tuning(**tuning)
     return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
                           values=values, pool_scores=pool_scores, logits_dtype=logits_dtype,
@@ -452,7 +552,7 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
 
 @functools.partial(jax.jit, static_argnames=("score", "values", "pool_scores", "sm_scale"))
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *,
-                                     score: str | None = None, values: bool = True,
+                                     score: Score | None = None, values: bool = True,
                                      pool_scores: bool = True,
                                      kv_heads: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
@@ -488,32 +588,32 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
     kv_valid = valid[:, None, :] & active[None, :, None]  # [B, HK, T]
 
     scores = None
-    if score == "mean_query":  # [B, HK, T]: logits of the group-mean query
+    if score == Score.MEAN_QUERY:  # [B, HK, T]: logits of the group-mean query
         scores = jnp.einsum("bhd,bhtd->bht", qg.mean(axis=2), k, precision=hp) * sm_scale
     if not pool_scores:  # one key block: the row's max, the logits relative to it
-        logits = (logits if score == "group_sum" else scores[:, :, None]
-                  if score == "mean_query" else logits.reshape(batch, q_heads, 1, max_tokens))
+        logits = (logits if score == Score.GROUP_SUM else scores[:, :, None]
+                  if score == Score.MEAN_QUERY
+                  else logits.reshape(batch, q_heads, 1, max_tokens))
         row_max = jnp.max(logits, axis=-1, keepdims=True)
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-        scores = LogitRows(logits - row_max, row_max,
-                           None if score == "mean_query" else lse.reshape(logits.shape[:-1]),
-                           max_tokens)
-    elif score == "max_heads":
+        row_lse = None if score == Score.MEAN_QUERY else lse.reshape(logits.shape[:-1])
+        scores = LogitRows(logits - row_max, row_max, row_lse, max_tokens)
+    elif score == Score.MAX_HEADS:
         per_token = prob.max(axis=(1, 2)).reshape(batch, -1, page_size).sum(axis=-1)
         page_valid = valid.reshape(batch, -1, page_size)[..., 0]
         scores = jnp.where(page_valid, per_token, -jnp.inf)
-    elif score == "group_sum":
+    elif score == Score.GROUP_SUM:
         scores = jnp.where(kv_valid, prob.sum(axis=2), -jnp.inf)
-    elif score == "mean_query":
+    elif score == Score.MEAN_QUERY:
         scores = jnp.where(kv_valid, scores, -jnp.inf)
-    elif score == "head_probs":
+    elif score == Score.HEAD_PROBS:
         scores = jnp.where(kv_valid[:, :, None, :], prob, -jnp.inf)
         scores = scores.reshape(batch, q_heads, max_tokens)
     return DecodeAttention(out if values else None, lse, scores)
 
 
 @functools.partial(jax.jit, static_argnames=("score", "sm_scale"))
-def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: str,
+def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: Score,
                          kv_heads: jax.Array | None = None,
                          sm_scale: float | None = None) -> jax.Array:
     """Per element of `score`'s scores, the most float16 logits (`logits_dtype`) may move it
@@ -525,18 +625,18 @@ def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: str
     args = (q, k_pages, v_pages, page_table, lengths)
     batch, q_heads, _ = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
-    if score == "mean_query":
+    if score == Score.MEAN_QUERY:
         ref = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads,
                                                sm_scale=sm_scale)
         lse = ref.lse.reshape(batch, num_kv_heads, -1).mean(axis=-1)
         return jnp.where(jnp.isfinite(ref.scores), 2.0**-11 * (lse[..., None] - ref.scores), 0.0)
-    probs = paged_decode_attention_reference(*args, score="head_probs", kv_heads=kv_heads,
+    probs = paged_decode_attention_reference(*args, score=Score.HEAD_PROBS, kv_heads=kv_heads,
                                              sm_scale=sm_scale).scores
     positive = probs > 0
     probs = jnp.where(positive, probs, 1.0)
     err = jnp.where(positive, probs * jnp.expm1(-2.0**-11 * jnp.log(probs)), 0.0)  # [B, HQ, T]
-    if score == "group_sum":
+    if score == Score.GROUP_SUM:
         return err.reshape(batch, num_kv_heads, q_heads // num_kv_heads, -1).sum(axis=2)
-    if score == "max_heads":
+    if score == Score.MAX_HEADS:
         return err.max(axis=1).reshape(batch, -1, page_size).sum(axis=-1)
     return err

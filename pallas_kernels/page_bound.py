@@ -24,8 +24,6 @@ from jax import lax
 from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
 
-HEAD_DIMS = (64, 128, 256)
-MAX_GROUP = 16
 TUNING = ("block_p", "num_splits", "num_warps")
 
 
@@ -76,13 +74,12 @@ def _bound_kernel(q_ref,           # [B, HQ, D]
 
 
 def default_tuning(batch: int, kv_heads: int, max_pages: int) -> dict:
-    """32 pages a step at 8 warps; splits for about four programs per SM, never more than
-    the page blocks. From an H100 sweep (Llama-8B shapes; block_p 16-64, 4 or 8 warps,
-    half to twice these splits): within 1.25x of the best at B=1 (4k, 32k, 128k of a 128k
-    table), B=16 (32k) and B=64 (4k), at 0.04 to 0.12 of the whole-table gather's time."""
+    """32 pages a step at 8 warps; splits for about four programs per SM
+    (`common.num_sms()`), never more than the page blocks: near the best of a sweep of page
+    blocks, warps and splits at every batch and context measured (docs/tuning.md)."""
     block_p = min(32, common.next_power_of_2(max_pages))
     blocks = common.cdiv(max_pages, block_p)
-    num_splits = max(1, min(blocks, common.cdiv(4 * common.NUM_SMS, batch * kv_heads)))
+    num_splits = max(1, min(blocks, common.cdiv(4 * common.num_sms(), batch * kv_heads)))
     return dict(block_p=block_p, num_splits=num_splits, num_warps=8)
 
 
@@ -119,10 +116,10 @@ def _check_inputs(q, kmin, kmax, page_table, lengths, page_size):
 
 def _unsupported(q, kmin) -> str | None:
     head_dim, group = q.shape[-1], q.shape[1] // kmin.shape[1]
-    if head_dim not in HEAD_DIMS:
-        return f"head_dim={head_dim}: expected one of {HEAD_DIMS}"
-    if group > MAX_GROUP:
-        return f"group size {group}: expected at most {MAX_GROUP}"
+    if head_dim not in common.HEAD_DIMS:
+        return f"head_dim={head_dim}: expected one of {common.HEAD_DIMS}"
+    if group > common.MAX_GROUP:
+        return f"group size {group}: expected at most {common.MAX_GROUP}"
     return None
 
 
@@ -137,9 +134,8 @@ def quest_page_bound(q, kmin, kmax, page_table, lengths, *, page_size: int, back
     if common.choose_backend(backend, _unsupported(q, kmin)) == "reference":
         return quest_page_bound_reference(q, kmin, kmax, page_table, lengths,
                                           page_size=page_size)
-    tuning = default_tuning(q.shape[0], kmin.shape[1], page_table.shape[1])
-    given = dict(block_p=block_p, num_splits=num_splits, num_warps=num_warps)
-    tuning.update({k: v for k, v in given.items() if v is not None})
+    tuning = common.resolve_tuning(default_tuning(q.shape[0], kmin.shape[1], page_table.shape[1]),
+                                   block_p=block_p, num_splits=num_splits, num_warps=num_warps)
     _check_tuning(**tuning)
     return _quest_page_bound_pallas(q, kmin, kmax, page_table, lengths.astype(jnp.int32),
                                     page_size=page_size,

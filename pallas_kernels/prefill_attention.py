@@ -18,10 +18,9 @@ attention instead (`backend="auto"`, or `"cudnn"`): the chunk's own keys and the
 it are gathered into contiguous [B, T, HK, D] arrays and attended separately (causal over
 the chunk, and over the positions before it: cuDNN's causal mask is top-left aligned),
 merged by their LSEs (`_prefill_split`; chunked prefill's calls avoid cuDNN's slower
-length-masked kernel). cuDNN's warp-specialised Hopper kernel
-runs at ~600-700 TFLOP/s where this Pallas-Triton one reaches ~410; the gathers and the merge
-cost ~0.15 ms per 8k-token chunk. Shorter chunks (verification, correction) stay on Pallas,
-where the gathers would outweigh the attention.
+length-masked kernel). cuDNN's warp-specialised kernel outruns this Pallas-Triton one by far
+more than the gathers and the merge cost on long chunks; shorter chunks (verification,
+correction) stay on Pallas, where the gathers would outweigh the attention (docs/tuning.md).
 
 Kernel: flash attention on Pallas-Triton. Grid (batch, kv_head, query block x split); each
 program stacks `block_q` query tokens x the GQA group (padded to a power of 2) as the rows of
@@ -44,14 +43,10 @@ from jax import lax
 from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
 
-HEAD_DIMS = (64, 128, 256)
-PAGE_SIZES = (8, 16, 32, 64, 128)
-DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-MAX_GROUP = 16
 MIN_ROWS = 16  # the smallest Triton dot M: block_q x padded group is at least this
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
-# Dense chunks of at least this many queries take cuDNN under backend="auto" on a GPU (H200,
-# 2026-11-26, B=16 over 32k: 512 queries 8.5 vs 9.7 ms on Pallas, 2048: 29 vs 42; 32: 3.2 vs 0.8)
+# Dense chunks of at least this many queries take cuDNN under backend="auto" on a GPU: from
+# here cuDNN's attention outweighs its gathers and merge (docs/tuning.md).
 CUDNN_MIN_CHUNK = 512
 
 
@@ -391,10 +386,8 @@ def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm
 
 def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
                    page_size: int, max_pages: int, dtype, sparse: bool = False) -> dict:
-    """Static knobs chosen from the shapes (H200 sweeps at Llama-3.1-8B shapes, 32k,
-    benchmarks/bench_prefill.py; dense: 256 rows x 64 keys with 8 warps ran 1.45x faster than
-    128 rows with 4; Kascade's sparse stream at 10%: 128 rows with 4 warps 2.90 ms, 256 rows
-    with 8 warps 3.22 ms).
+    """Static knobs chosen from the shapes (the sweeps behind them, of
+    benchmarks/bench_prefill.py, are in docs/tuning.md).
 
     block_q: query tokens per program, so that block_q x the padded GQA group is 256 rows
       (dense) or 128 (sparse: a gathered key block serves fewer rows, but twice the programs
@@ -404,11 +397,11 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     block_n: keys per loop step, 64 (32 at head_dim 256 or f32, to keep K/V tiles ~16 KiB).
     num_splits: split the key stream only when the (batch, kv_head, query block) programs
       alone leave the GPU idle (short chunks over a long cache: correction, verification):
-      ~4 waves on 132 SMs, no fewer than 4 key blocks per split.
+      ~4 waves of `common.num_sms()` programs, no fewer than 4 key blocks per split.
     num_warps: 8 from 256 rows (dense: from 128), else 4; num_stages=3.
     lookahead: 1 (each block's page ids a loop step ahead) for the dense stream, 0 for the
       sparse one (its selected blocks look nothing up: `_selected_rows` did, before the
-      kernel) (H200, 32k: dense 19.7 ms with lookahead vs 21.1 without).
+      kernel).
     """
     group_pad = common.next_power_of_2(q_heads // kv_heads)
     narrow = head_dim * jnp.dtype(dtype).itemsize <= 256
@@ -418,7 +411,7 @@ def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim
     block_n = 64 if narrow else 32
     programs = batch * kv_heads * common.cdiv(chunk, block_q)
     max_blocks = common.cdiv(max_pages * page_size, block_n)
-    num_splits = max(1, min(common.cdiv(4 * common.NUM_SMS, programs), max_blocks // 4))
+    num_splits = max(1, min(common.cdiv(4 * common.num_sms(), programs), max_blocks // 4))
     return dict(block_q=block_q, block_n=block_n, num_splits=num_splits,
                 num_warps=8 if block_q * group_pad >= (256 if sparse else 128) else 4,
                 num_stages=3, lookahead=0 if sparse else 1)
@@ -446,9 +439,9 @@ def _tuning(q, k_pages, page_table, tile, given, sparse: bool = False) -> dict:
     """`default_tuning` overridden by the knobs given; block_q divides the tile."""
     batch, chunk, q_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
-    tuning = default_tuning(batch, chunk, q_heads, kv_heads, head_dim, page_size,
-                            page_table.shape[1], q.dtype, sparse)
-    tuning.update({k: v for k, v in given.items() if v is not None})
+    tuning = common.resolve_tuning(
+        default_tuning(batch, chunk, q_heads, kv_heads, head_dim, page_size,
+                       page_table.shape[1], q.dtype, sparse), **given)
     if given["block_q"] is None:
         tuning["block_q"] = math.gcd(tuning["block_q"], tile)
     _check_tuning(common.next_power_of_2(q_heads // kv_heads), tile, **tuning)
@@ -519,10 +512,10 @@ def paged_prefill_attention(
 
     backend: "auto" (on a GPU cuDNN for dense bf16/f16 chunks of at least CUDNN_MIN_CHUNK
       queries, else Pallas; the reference elsewhere) | "pallas" | "cudnn" (dense bf16/f16 on
-      a GPU) | "reference". The Pallas kernel takes head_dim in HEAD_DIMS, page size in
-      PAGE_SIZES, bf16/f16/f32 and groups up to 16; other shapes run the reference under
-      "auto" and raise under "pallas". f32 dots run as three-pass TF32 on the GPU
-      (`common.dot_precision`).
+      a GPU) | "reference". The Pallas kernel takes what `common.pallas_support` allows
+      (head_dim in HEAD_DIMS, page size in PAGE_SIZES, bf16/f16/f32, groups up to
+      MAX_GROUP); other shapes run the reference under "auto" and raise under "pallas".
+      f32 dots run as three-pass TF32 on the GPU (`common.dot_precision`).
     interpret: Pallas interpret mode; None -> on unless a GPU is present.
     block_q, block_n, num_splits, num_warps, num_stages, lookahead: static knobs of the
       Pallas path; None picks `default_tuning`. block_q must divide `tile`.
@@ -562,10 +555,7 @@ def _choose_backend(backend, q, k_pages, indices) -> str:
     if (backend == "auto" and not common.backend_overridden() and q.shape[1] >= CUDNN_MIN_CHUNK
             and _cudnn_support(q, indices) is None):
         return "cudnn"
-    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
-                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
-                                        max_group=MAX_GROUP)
-    return common.choose_backend(backend, unsupported)
+    return common.choose_backend(backend, common.pallas_support(q[:, 0], k_pages))
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -624,11 +614,11 @@ def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale,
     is the contiguous attention (`_cudnn_attention` on the GPU), q_len = kv_len = None
     attending every query and key.
 
-    Length masks cost cuDNN ~8% (H200, 8k queries over 24k keys: 645 vs 700 TFLOP/s), so
-    full chunks at one shared start that is a multiple of the chunk (chunked prefill's) take
-    unmasked calls: causal over the chunk, and over the positions before it as power-of-2
-    runs of chunks (start = 5C: [0, 4C) and [4C, 5C)), one static shape per run length.
-    Other calls (ragged starts, a partial last chunk) take the length-masked ones."""
+    Length masks slow cuDNN down (docs/tuning.md), so full chunks at one shared start that is
+    a multiple of the chunk (chunked prefill's) take unmasked calls: causal over the chunk,
+    and over the positions before it as power-of-2 runs of chunks (start = 5C: [0, 4C) and
+    [4C, 5C)), one static shape per run length. Other calls (ragged starts, a partial last
+    chunk) take the length-masked ones."""
     batch, chunk = q.shape[:2]
     span = page_table.shape[1] * k_pages.shape[2]
     q_len = jnp.clip(lengths, 0, chunk)
@@ -704,9 +694,7 @@ def paged_tile_scores(
     _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
     if lse.shape != q.shape[:3]:
         raise ValueError(f"lse.shape={lse.shape}: expected q.shape[:3]={q.shape[:3]}")
-    unsupported = common.pallas_support(q[:, 0], k_pages, head_dims=HEAD_DIMS,
-                                        page_sizes=PAGE_SIZES, dtypes=DTYPES,
-                                        max_group=MAX_GROUP)
+    unsupported = common.pallas_support(q[:, 0], k_pages)
     return _paged_tile_scores(
         q, k_pages, page_table, start, lengths, lse, tile=tile, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,

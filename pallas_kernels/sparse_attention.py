@@ -42,12 +42,12 @@ group's queries are padded to 16 rows (M >= 16 for the dot); with RESA the prior
 are stacked under them, so one gather feeds both softmaxes. The prior's bound (positions <
 prior_length) is a per-row position limit set before the loop, one compare per logit; the
 default bound (lengths) is implied by the attended positions, so then the kernel takes no
-bound and its loop is the loop without the prior (the same registers and instructions; with
-jaxlib 0.10.2's Triton and ptxas 12.9 the row-dependent mask costs 8-21 registers per thread).
+bound and its loop is the loop without the prior (the same registers and instructions: the
+row-dependent mask costs registers per thread; docs/tuning.md).
 
 Given logits. A layer that attends to the top-k of its own scores (Kascade's sparse anchors,
 oracle top-k) has already computed every q.k in its scores pass (`paged_decode_attention`
-with pool_scores=False leaves them as `topk.LogitRows`). With `logits=` the kernel gathers
+with pool_scores=False leaves them as `LogitRows`). With `logits=` the kernel gathers
 those at the selected positions (float16 and a float32 max per key block) instead of K:
 about a third of the bytes of a K row per token, so the step reads V and little else.
 """
@@ -64,18 +64,14 @@ from jax import lax
 
 from . import common
 from .common import pl, plgpu
-from .topk import LogitRows
+from .decode_attention import LogitRows
 
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-SUPPORTED_PAGE_SIZES = (8, 16, 32, 64, 128)
-MAX_GROUP_SIZE = 16
-# Default split rule (`default_tuning`), for a 132-SM H100/H200 where a block_n=64, 2-stage
-# program's K/V buffers (64 KiB) allow ~3 resident programs per SM:
-_WAVE = 3 * common.NUM_SMS  # programs resident at once
+# Default split rule (`default_tuning`): a block_n=64, 2-stage program's K/V buffers
+# (64 KiB) allow ~3 resident programs per SM.
+_PROGRAMS_PER_SM = 3
 _MAX_SPLIT_TOKENS = 2048  # longest split below a wave of row groups: bounds the tail (~1 MiB)
 _MIN_SPLIT_TOKENS = 256  # shortest split: the prologue and the partial write stay amortised
-_TARGET_PROGRAMS = 4 * _WAVE  # when splitting anyway: ~4 waves, a short tail
+_TARGET_WAVES = 4  # when splitting anyway: ~4 waves of resident programs, a short tail
 _MAX_DENSE_SPLITS = 128  # dense heads: mostly-empty grids cost scheduling and partial bytes
 
 
@@ -232,7 +228,7 @@ def _gather(rows_ref, row, pos, cols):
 
 @dataclasses.dataclass(frozen=True)
 class _GivenLogits:
-    """The layer's own logits (`topk.LogitRows`, one row per query head), read at the step's
+    """The layer's own logits (`LogitRows`, one row per query head), read at the step's
     positions instead of recomputing q.k from K."""
     relative_ref: Any       # [B, HQ, T] float16 / float32: logits minus their block's max
     block_max_ref: Any      # [B, HQ, ceil(T / block_n)] float32
@@ -390,15 +386,17 @@ def default_splits(row_groups: int, sparse_tokens: int) -> int:
     """Splits per sparse row group.
 
     One (the direct-write path, no merge) when the row groups alone make a wave of resident
-    programs, however long their streams: equal streams leave no tail to balance (H200, B=64,
-    Kascade at 10%: 32k 0.198 ms against 0.209 with 4 splits, 128k 0.782 against 0.786 with
-    7). Otherwise enough even splits for both ~_TARGET_PROGRAMS programs and no split longer
-    than _MAX_SPLIT_TOKENS, none shorter than _MIN_SPLIT_TOKENS.
+    programs (_PROGRAMS_PER_SM on each of `common.num_sms()`), however long their streams:
+    equal streams leave no tail to balance, and splitting them measured no faster
+    (docs/tuning.md). Otherwise enough even splits for both ~_TARGET_WAVES waves of programs
+    and no split longer than _MAX_SPLIT_TOKENS, none shorter than _MIN_SPLIT_TOKENS.
     """
-    if row_groups >= _WAVE:
+    wave = _PROGRAMS_PER_SM * common.num_sms()
+    if row_groups >= wave:
         return 1
     needed = common.cdiv(sparse_tokens, _MAX_SPLIT_TOKENS)
-    fill = min(common.cdiv(_TARGET_PROGRAMS, row_groups), sparse_tokens // _MIN_SPLIT_TOKENS)
+    fill = min(common.cdiv(_TARGET_WAVES * wave, row_groups),
+               sparse_tokens // _MIN_SPLIT_TOKENS)
     return max(needed, fill, 1)
 
 
@@ -410,16 +408,15 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
     longest sparse stream; dense_tokens: max_pages * P with dense heads, else 0.
     block_n: 64 rows (16 KiB of bf16 K at D=128; 32 at D=256); four times that with given
-      logits, whose 2-byte gathers keep too few bytes in flight at 64 (H200, B=64, Kascade
-      at 10%, 4 warps: 32k 0.170 ms against 0.190 at block_n 128 and 2 warps and 0.204
-      recomputing q.k; 128k 0.609 against 0.763 and 0.803), up to a 64 KiB V tile (itemsize:
-      bytes per cache element), so that two stages fit in shared memory. split_tokens: the sparse
-    stream in `default_splits` even pieces, but no more than _MAX_DENSE_SPLITS splits of a
-    dense head's max_pages*P tokens. num_warps: 2 for purely sparse work at D <= 128 (the
-    M=16 dots need no more; on an H200 it beat 4 warps by 3-8% in every Kascade and DELTA
-    case of benchmarks/bench_sparse_attention.py), 4 with dense heads, given logits or
-    D = 256.
+      logits, whose 2-byte gathers keep too few bytes in flight at 64, up to a 64 KiB V tile
+      (itemsize: bytes per cache element), so that two stages fit in shared memory.
+    split_tokens: the sparse stream in `default_splits` even pieces, but no more than
+      _MAX_DENSE_SPLITS splits of a dense head's max_pages*P tokens.
+    num_warps: 2 for purely sparse work at D <= 128 (the M=16 dots need no more, and 2 beat
+      4 in every Kascade and DELTA case measured), 4 with dense heads, given logits or
+      D = 256.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
+    The measurements are in docs/tuning.md.
     """
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
@@ -558,7 +555,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit
 
 def _check_logits(logits, batch, num_heads, span, prior_query, dense_heads, expect):
     expect(isinstance(logits, LogitRows), "logits", type(logits).__name__,
-           "a topk.LogitRows or None")
+           "a LogitRows or None")
     expect(prior_query is None, "prior_query", "given",
            "None with logits (the prior's queries have no logits)")
     expect(dense_heads is None, "dense_heads", "given",
@@ -608,7 +605,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     prior_query  [B, HQ, D] | None           RESA mu_Q, used at q's dtype
     prior_length [B] int32 | None            prior positions j < prior_length (default lengths;
                                              None or the lengths array itself: no prior mask)
-    logits       topk.LogitRows | None       the layer's own scaled logits q.k * sm_scale,
+    logits       LogitRows | None            the layer's own scaled logits q.k * sm_scale,
                                              one row per query head ([B, groups, G,
                                              max_pages * P] with groups * G = HQ, as
                                              `paged_decode_attention(pool_scores=False)`
@@ -633,9 +630,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
         # The default bound: every attended position is already < length, so the kernel
         # needs no prior mask (its loop is then the loop without the prior).
         prior_length = None
-    unsupported = common.pallas_support(q, k_pages, head_dims=SUPPORTED_HEAD_DIMS,
-                                        page_sizes=SUPPORTED_PAGE_SIZES, dtypes=SUPPORTED_DTYPES,
-                                        max_group=MAX_GROUP_SIZE)
+    unsupported = common.pallas_support(q, k_pages)
     if common.choose_backend(backend, unsupported) == "reference":
         return sparse_decode_attention_reference(
             q, k_pages, v_pages, page_table, lengths, indices, count, unit=unit,
@@ -647,9 +642,9 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     tuning = default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
                             block_n=block_n, given_logits=logits is not None,
                             itemsize=jnp.dtype(q.dtype).itemsize)
-    given = dict(block_n=block_n, split_tokens=split_tokens, num_warps=num_warps,
-                 num_stages=num_stages, lookahead=lookahead)
-    tuning.update({k: v for k, v in given.items() if v is not None})
+    tuning = common.resolve_tuning(tuning, block_n=block_n, split_tokens=split_tokens,
+                                   num_warps=num_warps, num_stages=num_stages,
+                                   lookahead=lookahead)
     _check_tuning(**tuning)
     if head_map is not None:
         head_map = head_map.astype(jnp.int32)

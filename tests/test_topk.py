@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from kernel_checks import lower_for_cuda
 from sparsejax.pallas_kernels import topk
+from sparsejax.pallas_kernels.topk import keys, sampled, split
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
 
@@ -174,11 +175,11 @@ def test_grouped_running_sum_is_the_cumsum(width):
     rng = np.random.default_rng(width)
     x = (rng.integers(0, 2, (3, width)) | (rng.integers(0, 2, (3, width)) << 16)).astype(np.int32)
     for grouped in (True, False):
-        running, total = topk._running_sum(jnp.asarray(x), grouped)
+        running, total = keys._running_sum(jnp.asarray(x), grouped)
         np.testing.assert_array_equal(running, np.cumsum(x, axis=1))
         np.testing.assert_array_equal(total, x.sum(axis=1))
-    if width > topk.SCAN_GROUP:
-        restarted = np.cumsum(x.reshape(3, -1, topk.SCAN_GROUP), axis=2).reshape(3, width)
+    if width > keys.SCAN_GROUP:
+        restarted = np.cumsum(x.reshape(3, -1, keys.SCAN_GROUP), axis=2).reshape(3, width)
         assert not np.array_equal(restarted, np.cumsum(x, axis=1))
 
 
@@ -339,15 +340,15 @@ def test_split_negative_control(interpret):
 def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
     """Negative control: an off-by-one chunk offset, or a tie share off by one, in the
     compaction must make the comparison with the reference fail."""
-    keep_tile = topk._keep_tile
+    keep_tile = split._keep_tile
 
     def mutant(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k):
         seen = (seen[0] + seen_shift[0], seen[1] + seen_shift[1])
         return keep_tile(indices_ref, store_rows, row_ok, cols, key, thr, ties_wanted, seen, k)
 
-    monkeypatch.setattr(topk, "_keep_tile", mutant)
+    monkeypatch.setattr(split, "_keep_tile", mutant)
     scores, valid, k_row = split_edge_rows()
-    out = jax.jit(lambda s: topk._topk_split_pallas(   # a fresh trace sees the mutant
+    out = jax.jit(lambda s: split._topk_split_pallas(   # a fresh trace sees the mutant
         s, jnp.asarray(valid), jnp.asarray(k_row), k=32, force_first=1, force_last=2,
         block_n=8, block_sel=4, block_k=2, num_warps=4, num_stages=1,
         interpret=interpret))(jnp.asarray(scores))
@@ -388,7 +389,7 @@ SAMPLED = dict(sample_stride=4, block_n=256, block_sel=64, block_k=16, num_warps
                                              *SAMPLED))
 def sampled_path(scores, valid, k_row, **static):
     """The sampled path's (indices, count, fits), fits: the candidates served the call."""
-    return topk._topk_sampled_pallas(scores, valid, k_row, **static)
+    return sampled._topk_sampled_pallas(scores, valid, k_row, **static)
 
 
 def run_sampled(scores, k, valid, k_row, force_first, force_last, interpret, knobs=SAMPLED):
@@ -451,13 +452,13 @@ def test_sampled_k_above_n(interpret):
 def test_sampled_streamed_candidates(interpret, monkeypatch):
     """More candidates than a resident row holds: their per-row select streams them in tiles
     (RESIDENT_WIDTH patched to 128 against a capacity of 256), exactly."""
-    monkeypatch.setattr(topk, "RESIDENT_WIDTH", 128)
+    monkeypatch.setattr(sampled, "RESIDENT_WIDTH", 128)
     assert topk.candidate_capacity(64, 4) == 256
     scores, valid = sprinkled_scores(5, 4, 1024, "rounded"), np.array([1024, 1000, 300, 37])
     k_row = np.array([64, 50, 64, 8])
     static = dict(SAMPLED, k=64, force_first=2, force_last=3, interpret=interpret)
     indices, count, fits = jax.jit(  # a fresh trace, which sees the patched width
-        lambda s, v, kr: topk._topk_sampled_pallas(s, v, kr, **static))(
+        lambda s, v, kr: sampled._topk_sampled_pallas(s, v, kr, **static))(
         jnp.asarray(scores), jnp.asarray(valid, jnp.int32), jnp.asarray(k_row, jnp.int32))
     assert fits
     assert_selected(topk.Selected(indices, count), numpy_topk(scores, 64, valid, k_row, 2, 3))
@@ -494,15 +495,15 @@ def test_sampled_negative_control(interpret, monkeypatch):
 
     def select():  # a fresh trace, which sees the patched rank
         def run(s):
-            candidates = topk._sample_candidates(s, valid, k_row, **static)
-            return candidates, topk._select_candidates(s, valid, k_row, candidates, block_k=16,
+            candidates = sampled._sample_candidates(s, valid, k_row, **static)
+            return candidates, sampled._select_candidates(s, valid, k_row, candidates, block_k=16,
                                                        **static)
         return jax.jit(run)(scores)
 
     candidates, out = select()
     assert candidates.fits
     assert_selected(topk.Selected(*out), ref)
-    monkeypatch.setattr(topk, "_sample_rank", lambda budget, stride, xp=jnp: budget // (2 * stride))
+    monkeypatch.setattr(sampled, "_sample_rank", lambda budget, stride, xp=jnp: budget // (2 * stride))
     candidates, out = select()
     assert not candidates.fits
     assert np.any(np.asarray(candidates.num) < np.asarray(candidates.budget))
