@@ -235,15 +235,18 @@ def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
 
 
 def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: jax.Array,
-                k: jax.Array, v: jax.Array):
+                k: jax.Array, v: jax.Array, *, sharded: bool = False):
     """Write tokens into flattened layer pages (see `layer_pages`), in place
     (`pallas_kernels.cache_write`: no cache-sized copy where the cache is donated or carried).
 
     pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
-    Tokens whose page is out of range (>= the number of pages) are dropped.
+    Tokens whose page is out of range (>= the number of pages) are dropped. `sharded`: the
+    cache is laid out on a mesh, which partitions a scatter but not the kernel (a custom call
+    it would gather whole), so the write is a scatter there.
     """
     heads = k_flat.shape[1]
     k, v = (replicate_kv_heads(x, heads, axis=-2) for x in (k, v))
     n = math.prod(pages.shape)
     return write_kv(k_flat, v_flat, pages.reshape(n), slots.reshape(n),
-                    k.reshape(n, heads, k.shape[-1]), v.reshape(n, heads, v.shape[-1]))
+                    k.reshape(n, heads, k.shape[-1]), v.reshape(n, heads, v.shape[-1]),
+                    backend="reference" if sharded else "auto")

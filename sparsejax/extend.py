@@ -63,7 +63,8 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
-        k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
+        k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v,
+                                        sharded=model.mesh is not None)
         table = cache.page_table + offset
         role = None if tile is None else plan.roles[layer]
         mapped = None

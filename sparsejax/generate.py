@@ -570,7 +570,8 @@ def _run_within_memory(args, static):
     plan = st["plan"]
     free = kv.memory_available()
     cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
-    if kv._ROOM_TO_SPARE * cache <= free:
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+    if traced or kv._ROOM_TO_SPARE * cache <= free:   # inside a jit, or room to spare
         return _generate(*args, **static)
     key = _shapes_key(args, static)
     compiled = _checked_runs.get(key)

@@ -113,7 +113,7 @@ def _layer(carry: Carry, layer: jax.Array, *, model: Model, plan: SparsePlan, ro
     with jax.named_scope("qkv"):
         q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
     k_flat, v_flat = write_token(carry.k, carry.v, layer_page_ids(ctx.pages, layer, num_pages),
-                                 ctx.slots, k, v)
+                                 ctx.slots, k, v, sharded=model.mesh is not None)
     state = carry.state
     if plan.selector is not None:
         state = selection.update_state(plan, state, layer, ctx, k, v)
