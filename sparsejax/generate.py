@@ -166,7 +166,11 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
     also returns per decode step and layer: recall, oracle_recall, attn_error (see
     `sparsejax.layers`).
-    `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
+    `prefill_chunk`: prefill the prompt this many tokens at a time; None (default) chooses
+    from the model, batch and free memory, 0 or "one-pass" runs it in one pass (see `prefill`).
+    Before running, a program whose cache and temporaries (XLA's memory analysis) exceed the
+    devices' free memory is refused, naming the largest batch of this context that fits
+    (`sparsejax.max_batch` answers that ahead of time).
     `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
     are re-run with dense attention and their K/V (and per-page method state) overwritten
     (`sparsejax.extend.correct`). Off by default.
@@ -490,9 +494,10 @@ def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, k
                              dtype=model.dtype, kv_copies=kv_copies, check_memory=False)
     if plan.selector is None:
         return jax.eval_shape(make)
-    ids = jnp.zeros((batch, 1), jnp.int32)
+    width = plan.prefill_tile or 1   # a sparse prefill's chunk is a multiple of its tile
+    ids = jnp.zeros((batch, width), jnp.int32)
     return jax.eval_shape(lambda m: _prefill(m, make(), ids, jnp.ones((batch,), jnp.int32),
-                                             plan, 1)[1], model)
+                                             plan, width)[1], model)
 
 
 @functools.lru_cache(maxsize=32)
