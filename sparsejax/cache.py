@@ -123,12 +123,14 @@ def step_temporaries(config, batch, capacity, *, page_size=16, dtype=jnp.bfloat1
 _ROOM_TO_SPARE = 4
 
 
-def largest_fitting(need_at, free: int, guess: int, limit: int | None = None) -> int:
+def largest_fitting(need_at, free: int, guess: int, limit: int | None = None,
+                    evaluations: int = 6) -> int:
     """The largest batch b >= 0 with need_at(b) <= free, for need_at increasing and close to
-    linear in b (bytes), found by secant steps from `guess` (a few evaluations)."""
+    linear in b (bytes), found by secant steps from `guess` (at most `evaluations` calls;
+    with fewer, the largest that fitted among those tried)."""
     fit, fail, points = 0, limit + 1 if limit is not None else None, []
     b = max(1, guess if fail is None else min(guess, fail - 1))
-    for _ in range(6):
+    for _ in range(evaluations):
         need = need_at(b)
         points.append((b, need))
         if need <= free:

@@ -109,7 +109,7 @@ def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, p
 
 ONE_PASS = "one-pass"
 MAX_PREFILL_CHUNK = 8192   # tokens per row per step: longer chunks add memory, not speed
-MIN_PREFILL_CHUNK = 128
+MIN_PREFILL_CHUNK = 16     # a batch near the memory's limit leaves little for activations
 ACTIVATION_SHARE = 8       # one prefill step's activations may take 1/8 of the free memory
 
 

@@ -591,7 +591,9 @@ def _run_within_memory(args, static):
                     lens = jax.ShapeDtypeStruct((b,), jnp.int32)
                     return _program_bytes(_generate.lower(model, ids, lens, args[3],
                                                           **static).compile())
-                largest = kv.largest_fitting(need_at, free, B * free // need, limit=B - 1)
+                # each evaluation compiles generate: two, from the linear estimate
+                largest = kv.largest_fitting(need_at, free, B * free // need, limit=B - 1,
+                                             evaluations=2)
             raise ValueError(
                 f"generate at batch={B} rows x {capacity} tokens (prompt {T} + max_new_tokens "
                 f"{st['max_new_tokens']}) needs {need / 2**30:.2f} GiB beside the weights (its "

@@ -117,7 +117,7 @@ def test_chosen_chunk():
     assert ext.choose_prefill_chunk(CFG, 3, 20000, free_bytes=big) == ext.MAX_PREFILL_CHUNK
     assert ext.choose_prefill_chunk(CFG, 3, 200, free_bytes=0) == ext.MIN_PREFILL_CHUNK
     assert ext.choose_prefill_chunk(CFG, 3, 200, tile=48, free_bytes=big) == 240
-    assert ext.choose_prefill_chunk(CFG, 3, 2000, tile=48, free_bytes=0) == 96
+    assert ext.choose_prefill_chunk(CFG, 3, 2000, tile=48, free_bytes=0) == 48
     per_row = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
     assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=per_row * 2 * 700) == 512
     assert ext.resolve_prefill_chunk("one-pass", CFG, 1, 9) is None
@@ -137,7 +137,8 @@ def test_default_chunked_prefill_equals_one_pass(model, prompts, monkeypatch, me
     """With little free memory the default prefill runs the ragged prompts (200, 150 and 93
     tokens: one shorter than a chunk, none a multiple of it) in chunks of 128: logits, the
     cache's valid K/V and the method state (Quest's bounds, RESA's prior) equal one pass's."""
-    monkeypatch.setattr(kv, "memory_available", lambda: 0)
+    per_token = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
+    monkeypatch.setattr(kv, "memory_available", lambda: 3 * 128 * per_token)
     assert ext.choose_prefill_chunk(CFG, 3, prompts.shape[1]) == 128
     plan = as_plan(method, CFG, None)
     empty = kv.allocate(CFG, 3, 256, page_size=plan.page_size, dtype=jnp.float32,
