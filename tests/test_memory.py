@@ -76,7 +76,8 @@ def test_prefill_chunk_updates_the_donated_cache_in_place(deep):
 
 def test_generate_holds_one_cache():
     """generate's cache lives inside the program: one cache of its temporaries. A second copy
-    (the one-pass prefill's stacked K/V, a copy around the loop) would take it past two.
+    (the one-pass prefill's stacked K/V, the old default; a copy around the loop) takes it
+    past two.
     12 layers and chunks of 16: the CPU reference attention's per-layer [chunk, context]
     temporaries stay a small share. (Correction and speculative rounds measure the same,
     1.68 caches; benchmarks/memory_probe.py checks them on the GPU.)"""

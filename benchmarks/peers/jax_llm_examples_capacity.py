@@ -7,8 +7,11 @@ Llama-3.1-8B shapes, bf16 (weights and cache unquantized), one GPU, per context.
 Their code is not vendored: pass the `llama3` folder of a checkout of
 https://github.com/jax-ml/jax-llm-examples (written against commit
 8b4b24602e0652100e9835ec6d91fed58bbea472, llama3/ last changed in
-202fcd375d44d887f94386fe5d0e60d53cd633e2); it needs their dependencies that the image has
-(jax, etils is imported by their main.py only).
+202fcd375d44d887f94386fe5d0e60d53cd633e2). Their model.py imports jax and etils (orbax's
+dependency). To bring it along as an ignored folder of this repository:
+
+    mkdir -p build/jax-llm-examples && git --git-dir=PATH/TO/jax-llm-examples/.git archive \
+        8b4b24602e0652100e9835ec6d91fed58bbea472 llama3 | tar -x -C build/jax-llm-examples
 
 Their `KVCache` is one contiguous [batch, kv_heads, max_seq_len, head_dim] buffer per layer
 and K/V, written with `dynamic_update_slice` at one position shared by all rows, and
