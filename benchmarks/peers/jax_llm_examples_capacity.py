@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -40,7 +41,10 @@ LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=3
                 rope_theta=500000.0,
                 rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                   original_max_position_embeddings=8192))
+TINY = dict(LLAMA_8B, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, num_hidden_layers=2, head_dim=16, vocab_size=128)
 STEPS = 4
+SMOKE_ROWS = 4   # on CPU (no allocator limit): the batch a smoke run starts from
 
 
 def free_bytes() -> int:
@@ -75,22 +79,31 @@ def main():
     p.add_argument("llama3_dir", help="the llama3/ folder of a jax-llm-examples checkout")
     p.add_argument("--contexts", default="4096,32768,131072")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--smoke", action="store_true", help="CPU: a tiny config, context 64")
     args = p.parse_args()
     sys.path.insert(0, os.path.abspath(args.llama3_dir))
+    try:   # their checkpoint save/load only; it needs flatbuffers, which we do not
+        importlib.import_module("jax.experimental.array_serialization.pytree_serialization")
+    except ImportError:
+        import types
+        sys.modules["jax.experimental.array_serialization.pytree_serialization"] = \
+            types.ModuleType("pytree_serialization")
     from llama3_jax import model as l3
 
     mesh = jax.make_mesh((1, 1, 1), ("x", "y", "z"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Explicit,) * 3)
     rows = []
     with jax.sharding.set_mesh(mesh):
-        base = dataclasses.replace(l3.llama_to_jax_config(LLAMA_8B), mesh=mesh,
+        base = dataclasses.replace(l3.llama_to_jax_config(TINY if args.smoke else LLAMA_8B),
+                                   mesh=mesh,
                                    quant_layer=False, quant_cache=False)
         weights = l3.Weights.init(jax.random.key(0), base)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(weights))
-        for context in (int(t) for t in args.contexts.split(",")):
+        contexts = "64" if args.smoke else args.contexts
+        for context in (int(t) for t in contexts.split(",")):
             cfg = dataclasses.replace(base, max_seq_len=context)
             per_row = 2 * cfg.num_layers * cfg.kv_heads * context * cfg.head_dim * 2
-            limit = free_bytes() // per_row
+            limit = SMOKE_ROWS if args.smoke else free_bytes() // per_row
             t0 = time.time()
             batch, found, tried = limit, None, []
             while batch >= 1 and found is None:
