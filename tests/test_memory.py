@@ -196,13 +196,15 @@ def test_generate_refuses_what_does_not_fit(monkeypatch):
 
     model = sparsejax.Model(SHALLOW, init_params(SHALLOW, jax.random.key(0)))
     ids = np.ones((6, 100), np.int32)
-    args, static = _prepare(model, ids[:4], max_new_tokens=28)
+    # a fixed chunk: the chosen one would shrink with the free memory (and so would the need)
+    run = functools.partial(sparsejax.generate, model, max_new_tokens=28, prefill_chunk=100)
+    args, static = _prepare(model, ids[:4], max_new_tokens=28, prefill_chunk=100)
     free = int(1.1 * _program_bytes(_generate.lower(*args, **static).compile()))
     monkeypatch.setattr(kv, "memory_available", lambda: free)
     # at these shapes the CPU reference attention's temporaries are ~30x the cache: compile
     # and check even a cache that small (the shortcut assumes temporaries a fraction of it)
     monkeypatch.setattr(kv, "_ROOM_TO_SPARE", 10**9)
     with pytest.raises(ValueError, match=r"batch=6 rows x 127 tokens.*at most batch=4 rows"):
-        sparsejax.generate(model, ids, max_new_tokens=28)
-    out = sparsejax.generate(model, ids[:4], max_new_tokens=28)
+        run(ids)
+    out = run(ids[:4])
     assert out.tokens.shape == (4, 28)
