@@ -8,7 +8,13 @@
 #          spec (lossless mode: acceptance and speed on the embedded model, the cost model on
 #          DS-Qwen-1.5B shapes, planned for about 4 minutes on an H200), tp (tensor parallel on every GPU of the host;
 #          TP_PARTS= picks parts), fidelity and calibration (benchmarks/fidelity.py's measurements
-#          of the embedded model, below), all (default: tests topk decode sparse step)
+#          of the embedded model, below), memory (benchmarks/memory_probe.py: each program's
+#          memory analysis and cache-sized copies, compiled from shapes, a few minutes),
+#          capacity (the largest batch generate runs per context and method, --quick by
+#          default: about 6 minutes; CAPACITY_ARGS= replaces the flags), peer-capacity
+#          (jax-llm-examples' Llama 3 decode_step at the same shapes; PEER_LLAMA3= its llama3/
+#          folder, default build/jax-llm-examples/llama3), all (default: tests topk decode
+#          sparse step)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
 # them there); every step's full output goes to $OUT/device.log. Runs on the image's python3
@@ -101,6 +107,10 @@ for s in "${steps[@]}"; do
     selecting) cmd=($PY benchmarks/bench_selecting_layers.py ${SELECTING_ARGS:-}) ;;
     tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling}) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
+    memory) cmd=($PY benchmarks/memory_probe.py) ;;
+    capacity) cmd=($PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
+    peer-capacity) cmd=($PY benchmarks/peers/jax_llm_examples_capacity.py
+                        ${PEER_LLAMA3:-build/jax-llm-examples/llama3} --json "$OUT/peer_capacity.json") ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;
     *) echo "unknown step $s"; exit 2 ;;

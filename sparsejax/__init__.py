@@ -22,7 +22,8 @@ if (_sys.argv and Path(_sys.argv[0]).name == "sparsejax") or "-m sparsejax " in 
 from sparsejax import methods  # noqa: E402
 from sparsejax.cache import PagedKVCache
 from sparsejax.generate import (GenerateOutput, Sampling, bucket_length, compile_generate,
-                                decode_step, enable_compilation_cache, generate, prefill, sample)
+                                decode_step, enable_compilation_cache, generate, max_batch, prefill,
+                                sample)
 from sparsejax.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
 from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
@@ -45,6 +46,7 @@ __all__ = [
     "PagedKVCache", "RequestOutput", "Role", "Sampling", "SamplingParams", "Score", "Selection",
     "Selector", "SparsePlan", "allocate", "bucket_length", "compile_generate", "decode_step",
     "embedded_model_path", "enable_compilation_cache",
-    "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
+    "from_pretrained", "generate", "load_tokenizer", "logits", "max_batch", "methods", "prefill",
+    "sample",
     "save_pretrained", "shard",
 ]

@@ -69,7 +69,8 @@ def config_and_dtype(config_or_model, dtype=None):
 
 
 def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
-             page_size: int = 16, dtype=None, kv_copies: int = 1) -> PagedKVCache:
+             page_size: int = 16, dtype=None, kv_copies: int = 1,
+             check_memory: bool = True) -> PagedKVCache:
     """An empty cache for `batch` rows of up to `capacity` tokens each, on the default device
     (`sparsejax.allocate` lays it out on a mesh). `config_or_model`: a Model (the cache takes
     its dtype unless `dtype` is given) or a ModelConfig (dtype default bfloat16).
@@ -78,6 +79,10 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
     each data shard's rows). `kv_copies`: each KV head stored that many times in a row (what a
     mesh with more model ranks than KV heads needs; a mesh sets it).
+
+    Before allocating, refuses (ValueError naming the largest batch that fits) a cache that,
+    with the temporaries of a decode step over it (XLA's memory analysis of the compiled,
+    donated step), does not fit in the devices' free memory (`check_memory`).
     """
     config, dtype = config_and_dtype(config_or_model, dtype)
     check_page_size(page_size)
@@ -86,18 +91,106 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     max_pages = -(-capacity // page_size)
     shape = (config.num_layers, batch * max_pages, config.num_kv_heads * kv_copies, page_size,
              config.head_dim)
-    need, free = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize, memory_available()
-    if need > free:
-        raise ValueError(f"a KV cache of {batch} rows × {capacity} tokens needs "
-                         f"{need / 2**30:.1f} GiB; the devices have room for {free / 2**30:.1f} GiB: "
-                         "lower the batch, the prompt length or max_new_tokens"
-                         + ("" if jax.default_backend() == "cpu" else
-                            ", or let JAX's allocator take more than its default 75% of each "
-                            "device (XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set before JAX "
-                            "starts)"))
+    if check_memory:
+        check_fits(config, batch, capacity, page_size=page_size, dtype=dtype,
+                   kv_copies=kv_copies)
     page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                         page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
+             dtype=jnp.bfloat16, kv_copies: int = 1) -> int:
+    """Bytes of K and V that `allocate` makes for these arguments."""
+    max_pages = -(-capacity // page_size)
+    return (2 * config.num_layers * batch * max_pages * config.num_kv_heads * kv_copies
+            * page_size * config.head_dim * jnp.dtype(dtype).itemsize)
+
+
+def cache_bytes(cache: PagedKVCache) -> int:
+    """Bytes of a cache's K and V (concrete or traced)."""
+    return 2 * math.prod(cache.k.shape) * jnp.dtype(cache.k.dtype).itemsize
+
+
+# The bytes a donated decode step needs beside its arguments, at a cache's shapes:
+# (config, batch, capacity, page_size, dtype, kv_copies) -> bytes. `sparsejax.generate`
+# registers the compiled step's memory analysis here (it imports this module, not the
+# other way round); without it only the cache itself is counted.
+_step_temporaries = None
+
+
+def register_step_temporaries(fn) -> None:
+    global _step_temporaries
+    _step_temporaries = fn
+
+
+def step_temporaries(config, batch, capacity, *, page_size=16, dtype=jnp.bfloat16,
+                     kv_copies=1) -> int:
+    if _step_temporaries is None:
+        return 0
+    return _step_temporaries(config, batch, capacity, page_size, jnp.dtype(dtype), kv_copies)
+
+
+# A cache this much smaller than the free memory fits beside any decode step's temporaries
+# (they are a fraction of the cache): no step is compiled to say so.
+_ROOM_TO_SPARE = 4
+
+
+def largest_fitting(need_at, free: int, guess: int, limit: int | None = None,
+                    evaluations: int = 6) -> int:
+    """The largest batch b >= 0 with need_at(b) <= free, for need_at increasing and close to
+    linear in b (bytes), found by secant steps from `guess` (at most `evaluations` calls;
+    with fewer, the largest that fitted among those tried)."""
+    fit, fail, points = 0, limit + 1 if limit is not None else None, []
+    b = max(1, guess if fail is None else min(guess, fail - 1))
+    for _ in range(evaluations):
+        need = need_at(b)
+        points.append((b, need))
+        if need <= free:
+            fit = max(fit, b)
+        else:
+            fail = b if fail is None else min(fail, b)
+        if fail is not None and fail <= fit + 1:
+            break
+        if len(points) > 1 and points[-1][0] != points[-2][0]:
+            (b0, n0), (b1, n1) = points[-2], points[-1]
+            slope = max((n1 - n0) / (b1 - b0), 1.0)
+        else:
+            slope = max(need / b, 1.0)
+        nxt = int(b + (free - need) // slope)
+        nxt = max(nxt, fit + 1)
+        if fail is not None:
+            nxt = min(nxt, fail - 1)
+        if nxt == b or nxt < 1:
+            break
+        b = nxt
+    return fit
+
+
+def check_fits(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
+               dtype=jnp.bfloat16, kv_copies: int = 1, free: int | None = None) -> None:
+    """Refuse (ValueError) a cache of `batch` rows x `capacity` tokens whose bytes, with a
+    decode step's temporaries over it, exceed the devices' free memory; the message names
+    the largest batch of this context that fits."""
+    free = memory_available() if free is None else free
+    kw = dict(page_size=page_size, dtype=dtype, kv_copies=kv_copies)
+    need = kv_bytes(config, batch, capacity, **kw)
+    if _ROOM_TO_SPARE * need <= free:
+        return
+    need_at = lambda b: (kv_bytes(config, b, capacity, **kw)  # noqa: E731
+                         + step_temporaries(config, b, capacity, **kw))
+    total = need_at(batch)
+    if total <= free:
+        return
+    largest = largest_fitting(need_at, free, batch * free // max(total, 1))
+    raise ValueError(
+        f"a KV cache of batch={batch} rows x {capacity} tokens needs {need / 2**30:.2f} GiB and "
+        f"a decode step over it {(total - need) / 2**30:.2f} GiB more; the devices have "
+        f"{free / 2**30:.2f} GiB free: at most batch={largest} rows of {capacity} tokens fit "
+        "(lower the batch, the prompt length or max_new_tokens"
+        + (")" if jax.default_backend() == "cpu" else
+           ", or let JAX's allocator take more than its default 75% of each device: "
+           "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set before JAX starts)"))
 
 
 def memory_available() -> int:
@@ -161,7 +254,9 @@ def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: j
     """Write tokens into flattened layer pages (see `layer_pages`).
 
     pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
-    Tokens whose page is out of range (>= the number of pages) are dropped.
+    Tokens whose page is out of range (>= the number of pages) are dropped. A scatter, which
+    XLA updates in place where the cache is donated or carried (the compiled step's memory
+    analysis: no cache-sized temporary; tests/test_memory.py).
     """
     k, v = (replicate_kv_heads(x, k_flat.shape[1], axis=-2) for x in (k, v))
     k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype), mode="drop")

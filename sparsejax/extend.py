@@ -106,6 +106,55 @@ def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, p
         return out, selection.select_tiles(plan, scores, tile_lo, capacity)
 
 
+ONE_PASS = "one-pass"
+MAX_PREFILL_CHUNK = 8192   # tokens per row per step: longer chunks add memory, not speed
+MIN_PREFILL_CHUNK = 16     # a batch near the memory's limit leaves little for activations
+ACTIVATION_SHARE = 8       # one prefill step's activations may take 1/8 of the free memory
+
+
+def activation_bytes_per_token(config) -> int:
+    """A generous bound on one token's activations inside one layer of a prefill step (f32:
+    gate, up and their product, the q/k/v projections and a few hidden-sized temporaries)."""
+    c = config
+    return 4 * (3 * c.intermediate_size + 6 * c.hidden_size
+                + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
+
+
+def choose_prefill_chunk(config, batch: int, prompt_len: int, *, tile: int | None = None,
+                         free_bytes: int | None = None) -> int:
+    """Tokens per row per prefill step when the caller leaves it to us: the largest power of
+    two (MIN_PREFILL_CHUNK .. MAX_PREFILL_CHUNK) whose step over `batch` rows keeps its
+    activations within 1/ACTIVATION_SHARE of `free_bytes` (default: what the devices have
+    free now), never more than the prompt (a prompt that short runs in one step). With a
+    sparse prefill's `tile`, a multiple of it."""
+    free = kv.memory_available() if free_bytes is None else free_bytes
+    tokens = max(free, 0) // (ACTIVATION_SHARE * activation_bytes_per_token(config) * batch)
+    chunk = MIN_PREFILL_CHUNK
+    while chunk * 2 <= min(tokens, MAX_PREFILL_CHUNK):
+        chunk *= 2
+    if chunk >= prompt_len:
+        chunk = prompt_len
+    if tile is not None:
+        chunk = max(tile, chunk // tile * tile) if chunk < prompt_len else -(-chunk // tile) * tile
+    return chunk
+
+
+def resolve_prefill_chunk(chunk, config, batch: int, prompt_len: int, *,
+                          tile: int | None = None, free_bytes: int | None = None) -> int | None:
+    """`prefill_chunk` as the prefill runs it: None -> `choose_prefill_chunk`; 0 or "one-pass"
+    -> None (one pass over the prompt; a sparse prefill's whole prompt in one chunk); an
+    int >= 1 as given."""
+    if chunk is None:
+        return choose_prefill_chunk(config, batch, prompt_len, tile=tile, free_bytes=free_bytes)
+    if isinstance(chunk, str) and chunk == ONE_PASS or (
+            isinstance(chunk, int) and not isinstance(chunk, bool) and chunk == 0):
+        return None
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"prefill_chunk={chunk!r}: expected None (chosen from the free memory), "
+                         f"an int >= 1 (tokens per step), or 0 / {ONE_PASS!r} (one pass)")
+    return chunk
+
+
 def extend(model: Model, cache: kv.PagedKVCache, tokens: jax.Array, num_tokens: jax.Array,
            *, start: jax.Array | None = None):
     """Run tokens [B, C] (the first num_tokens [B] of each row valid) at positions

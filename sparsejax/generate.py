@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparsejax import cache as kv
 from sparsejax import method_state, sharding, speculative
-from sparsejax.extend import chunked_prefill, correct
-from sparsejax.models import Model, embed, forward, token_ids, unembed
+from sparsejax.extend import chunked_prefill, correct, resolve_prefill_chunk
+from sparsejax.models import Model, embed, forward, init_params, token_ids, unembed, unstack_layers
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.layers import decode_layers, prefill_state
 
@@ -52,9 +52,13 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
             plan: SparsePlan, chunk: int | None = None, mesh=None):
     """Dense forward over right-padded prompts; writes the pages, computes method state.
 
-    chunk: None runs the whole prompt in one pass; an int runs it `chunk` tokens at a time
-    over the paged cache (`sparsejax.extend.chunked_prefill`: bounded activation memory,
-    the same logits up to rounding). Kascade's sparse prefill always takes that path.
+    chunk: tokens per row per step over the paged cache (`sparsejax.extend.chunked_prefill`:
+    activations bounded by the chunk, the K/V written into the pages as each chunk runs, the
+    same logits as one pass up to rounding). None (the default) chooses it from the model,
+    the batch and the free memory (`extend.choose_prefill_chunk`; a short prompt runs in one
+    step); 0 or "one-pass" runs the whole prompt through the model in one pass, which holds
+    every layer's K/V for the prompt beside the cache. Kascade's sparse prefill always runs
+    in chunks.
     Returns (logits [B, vocab] f32 at each row's last prompt token, cache). Concrete ids and
     lengths are checked (see `generate`). `mesh`: run tensor- (and data-) parallel on it,
     as does a model placed with `sparsejax.shard`; the cache from `allocate(..., mesh=mesh)`.
@@ -72,6 +76,8 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
 
 def _prefill(model, cache, input_ids, lengths, plan, chunk=None):
     """`prefill` of valid inputs (on one data shard under a mesh)."""
+    B, T = input_ids.shape
+    chunk = resolve_prefill_chunk(chunk, model.config, B, T, tile=plan.prefill_tile)
     if chunk is not None or plan.prefill_tile is not None:
         return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
@@ -208,7 +214,11 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     defaults to 16, or to the method's own when it selects pages. With `return_diagnostics`,
     also returns per decode step and layer: recall, oracle_recall, attn_error (see
     `sparsejax.layers`).
-    `prefill_chunk`: prefill the prompt this many tokens at a time (see `prefill`).
+    `prefill_chunk`: prefill the prompt this many tokens at a time; None (default) chooses
+    from the model, batch and free memory, 0 or "one-pass" runs it in one pass (see `prefill`).
+    Before running, a program whose cache and temporaries (XLA's memory analysis) exceed the
+    devices' free memory is refused, naming the largest batch of this context that fits
+    (`sparsejax.max_batch` answers that ahead of time).
     `correct_every=N`: cache correction — every N decode steps, the last N generated tokens
     are re-run with dense attention and their K/V (and per-page method state) overwritten
     (`sparsejax.extend.correct`). Off by default.
@@ -238,7 +248,7 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             prefill_chunk=prefill_chunk, correct_every=correct_every,
                             draft_tokens=draft_tokens, mesh=mesh, logprobs=logprobs,
                             pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket)
-    return _generate(*args, **static)
+    return _run_within_memory(args, static)
 
 
 def compile_generate(model: Model, input_ids, **kwargs):
@@ -318,8 +328,7 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
         raise ValueError(f"top_k={top_k!r}: expected an int in [1, {model.config.vocab_size}]")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p}: expected 0 < top_p <= 1")
-    if prefill_chunk is not None and not (isinstance(prefill_chunk, int) and prefill_chunk >= 1):
-        raise ValueError(f"prefill_chunk={prefill_chunk!r}: expected None or an int >= 1")
+    resolve_prefill_chunk(prefill_chunk, model.config, 1, 1, free_bytes=0)   # validates it
     if correct_every is not None and not (isinstance(correct_every, int) and correct_every >= 1):
         raise ValueError(f"correct_every={correct_every!r}: expected None or an int >= 1")
     if draft_tokens is not None and not (isinstance(draft_tokens, int) and draft_tokens >= 1):
@@ -489,10 +498,18 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
     # length (rows that finished still run the round's batched compute, unkept)
     capacity = T + max_new_tokens - 1 + (0 if draft_tokens is None else draft_tokens + 1)
     mesh = model.mesh
+    # `generate` checks the compiled program's memory (cache and temporaries) before it runs
     cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
-                        kv_copies=1 if mesh is None else sharding.kv_copies(model.config, mesh))
+                        kv_copies=1 if mesh is None else sharding.kv_copies(model.config, mesh),
+                        check_memory=False)
     if mesh is not None:
         cache = sharding.constrain(cache, sharding.cache_specs(cache, model.config, mesh), mesh)
+    # the cache is made inside this program: the prefill's share is what it leaves free
+    prefill_chunk = resolve_prefill_chunk(
+        prefill_chunk, model.config, B, T, tile=plan.prefill_tile,
+        free_bytes=kv.memory_available() - kv.cache_bytes(cache))
+    if prefill_chunk is None:
+        prefill_chunk = 0
     logits, cache = _prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
     eos_ids = jnp.asarray(eos if eos else (-1,), jnp.int32)
     pad = eos_ids[0] if eos else jnp.int32(0)
@@ -656,3 +673,134 @@ def _speculative_loop(model, cache, tokens, done, key, *, plan, sampling, eos_id
     tokens, num, _, _, _, _, drafted, accepted = jax.lax.while_loop(
         lambda s: ~jnp.all(s[2]), body, state)
     return GenerateOutput(tokens, num, None, drafted, accepted)
+
+
+# ---- capacity: what fits on the devices ------------------------------------------------------
+def _abstract_model(config, dtype) -> Model:
+    """A model of `config` in the per-layer layout, as shapes only (nothing allocated)."""
+    return jax.eval_shape(lambda: Model(config, unstack_layers(
+        init_params(config, jax.random.key(0), dtype))))
+
+
+def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, kv_copies: int):
+    """Shapes of a cache of `batch` rows x `capacity` tokens holding the plan's method state."""
+    c = model.config
+    make = functools.partial(kv.allocate, c, batch, capacity, page_size=plan.page_size,
+                             dtype=model.dtype, kv_copies=kv_copies, check_memory=False)
+    if plan.selector is None:
+        return jax.eval_shape(make)
+    width = plan.prefill_tile or 1   # a sparse prefill's chunk is a multiple of its tile
+    ids = jnp.zeros((batch, width), jnp.int32)
+    return jax.eval_shape(lambda m: _prefill(m, make(), ids, jnp.ones((batch,), jnp.int32),
+                                             plan, width)[1], model)
+
+
+@functools.lru_cache(maxsize=32)
+def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
+                       dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None):
+    """XLA's memory analysis of a jitted `decode_step` with the cache donated, at these
+    shapes (compiled, not run). Returns (temporaries, outputs not aliased to the donated cache)
+    in bytes: what the step needs beside its arguments (weights, cache)."""
+    from sparsejax.plan import dense_plan
+
+    plan = dense_plan(config, page_size) if plan is None else plan
+    model = _abstract_model(config, jnp.dtype(dtype))
+    cache = _abstract_cache(model, batch, capacity, plan, kv_copies)
+    tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    step = jax.jit(functools.partial(decode_step, plan=plan), donate_argnums=1)
+    m = step.lower(model, cache, tokens).compile().memory_analysis()
+    return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies) -> int:
+    return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies))
+
+
+kv.register_step_temporaries(_step_temporaries)
+
+
+def _device_free(device) -> int:
+    """Bytes one device has free (its allocator's limit less what is in use); the host's
+    memory for a device that reports none (CPU)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    return kv.memory_available()
+
+
+def max_batch(config, context: int, *, dtype=jnp.bfloat16, device=None, method=None,
+              page_size: int | None = None, free_bytes: int | None = None) -> int:
+    """How many rows of `context` tokens (prompt + generated) fit on `device` (default: the
+    first) beside what is already on it (load the model first): the largest batch whose cache
+    and donated decode step (XLA's memory analysis of the compiled step, with `method`'s
+    state) fit in its free memory (`free_bytes` overrides it). The answer `allocate` accepts."""
+    if not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r}: expected an int >= 1 (tokens per row)")
+    plan = as_plan(method, config, page_size)
+    free = _device_free(device or jax.devices()[0]) if free_bytes is None else free_bytes
+    dtype = jnp.dtype(dtype)
+    row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype)
+    if row > free:
+        return 0
+    need_at = lambda b: (kv.kv_bytes(config, b, context, page_size=plan.page_size,  # noqa: E731
+                                     dtype=dtype)
+                         + sum(decode_step_memory(config, b, context, plan.page_size, dtype, 1,
+                                                  plan)))
+    return kv.largest_fitting(need_at, free, free // row)
+
+
+def _shapes_key(args, static):
+    leaves, tree = jax.tree.flatten(args)
+    return (tree, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves),
+            tuple(sorted(static.items())))
+
+
+_checked_runs: dict = {}
+
+
+def _run_within_memory(args, static):
+    """Run `_generate`, first refusing one whose compiled program (cache, temporaries and
+    outputs, XLA's memory analysis) needs more than the devices have free. A cache far
+    smaller than the free memory runs straight away (no separate compile)."""
+    model, input_ids = args[0], args[1]
+    B, T = input_ids.shape
+    st = static
+    capacity = (T + st["max_new_tokens"] - 1
+                + (0 if st["draft_tokens"] is None else st["draft_tokens"] + 1))
+    plan = st["plan"]
+    free = kv.memory_available()
+    cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
+    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+    if traced or kv._ROOM_TO_SPARE * cache <= free:   # inside a jit, or room to spare
+        return _generate(*args, **static)
+    key = _shapes_key(args, static)
+    compiled = _checked_runs.get(key)
+    if compiled is None:
+        compiled = _generate.lower(*args, **static).compile()
+        need = _program_bytes(compiled)
+        if need > free:
+            largest = None
+            if model.mesh is None:
+                def need_at(b):
+                    ids = jax.ShapeDtypeStruct((b, T), input_ids.dtype)
+                    lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+                    return _program_bytes(_generate.lower(model, ids, lens, args[3],
+                                                          **static).compile())
+                # each evaluation compiles generate: two, from the linear estimate
+                largest = kv.largest_fitting(need_at, free, B * free // need, limit=B - 1,
+                                             evaluations=2)
+            raise ValueError(
+                f"generate at batch={B} rows x {capacity} tokens (prompt {T} + max_new_tokens "
+                f"{st['max_new_tokens']}) needs {need / 2**30:.2f} GiB beside the weights (its "
+                f"KV cache {cache / 2**30:.2f} GiB, the rest the prefill's and decode step's "
+                f"temporaries); the devices have {free / 2**30:.2f} GiB free"
+                + ("" if largest is None else
+                   f": at most batch={largest} rows of this context fit"))
+        _checked_runs[key] = compiled
+    return compiled(*args)
+
+
+def _program_bytes(compiled) -> int:
+    """Device bytes a compiled program needs beside its arguments."""
+    m = compiled.memory_analysis()
+    return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes

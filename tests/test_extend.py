@@ -58,7 +58,7 @@ def test_chunked_prefill_equals_one_pass(checkpoints, name, chunks, page_size):
     ids, lengths = ragged(LENGTHS, seed=len(name))
     plan = dense_plan(model.config, page_size)
     empty = kv.allocate(model.config, 3, 40, page_size=page_size, dtype=jnp.float32)
-    want, want_cache = prefill(model, empty, ids, lengths, plan=plan)
+    want, want_cache = prefill(model, empty, ids, lengths, plan=plan, chunk="one-pass")
     for chunk in chunks:
         got, cache = prefill(model, empty, ids, lengths, plan=plan, chunk=chunk)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4,
@@ -77,7 +77,7 @@ def test_chunked_prefill_method_state(checkpoints, method):
     ids, lengths = ragged(LENGTHS, seed=3)
     plan = as_plan(method, model.config, 4)
     empty = kv.allocate(model.config, 3, 24, page_size=4, dtype=jnp.float32)
-    _, want = prefill(model, empty, ids, lengths, plan=plan)
+    _, want = prefill(model, empty, ids, lengths, plan=plan, chunk="one-pass")
     _, got = prefill(model, empty, ids, lengths, plan=plan, chunk=6)
     want_leaves, tree = jax.tree.flatten(want.state)
     got_leaves, got_tree = jax.tree.flatten(got.state)
@@ -120,10 +120,11 @@ def test_extend_matches_full_forward(checkpoints):
 def test_generate_with_prefill_chunk(checkpoints):
     model = checkpoints["llama-gqa-llama3rope-tied"]
     ids, lengths = ragged(LENGTHS, seed=4)
-    want = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=6)
+    want = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=6,
+                              prefill_chunk="one-pass")
     got = sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=6, prefill_chunk=8)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    for bad in (0, 2.5):
+    for bad in (-1, 2.5):
         with pytest.raises(ValueError, match=f"prefill_chunk={bad}"):
             sparsejax.generate(model, ids, lengths=lengths, max_new_tokens=2, prefill_chunk=bad)
 
@@ -194,7 +195,8 @@ def test_kascade_sparse_prefill_full_ratio_is_dense(checkpoints):
     model = checkpoints["llama-gqa-llama3rope-tied"]
     ids, lengths = ragged([13, 19, 6], seed=8)
     empty = kv.allocate(model.config, 3, 24, page_size=4, dtype=jnp.float32)
-    want, want_cache = prefill(model, empty, ids, lengths, plan=dense_plan(model.config, 4))
+    want, want_cache = prefill(model, empty, ids, lengths, plan=dense_plan(model.config, 4),
+                               chunk="one-pass")
     for ratio, close in ((1.0, True), (0.1, False)):
         plan = as_plan(methods.Kascade(anchor_layers=(0, 1), ratio=ratio, min_k=0,
                                        sparse_prefill=True, prefill_tile=4), model.config, 4)

@@ -1,0 +1,194 @@
+"""The KV cache is updated in place, prefill runs in chunks that fit, and what does not fit is
+refused before it is allocated.
+
+Copies of the cache are found in XLA's memory analysis of the compiled programs: with the
+cache donated, a step's temporaries stay well under one cache; a program that keeps the old
+cache alive beside the new one (the negative controls) holds a second copy in temporaries.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax
+from sparsejax import cache as kv
+from sparsejax import extend as ext
+from sparsejax import methods
+from sparsejax.generate import _abstract_cache, _generate, _prepare, decode_step
+from sparsejax.models import ModelConfig, init_params
+from sparsejax.plan import as_plan
+
+from small_model import CFG, LENGTHS
+
+# 8 layers: a reference kernel's per-layer temporaries are a small share of the cache
+DEEP = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=8, num_heads=4,
+                   num_kv_heads=2, head_dim=16, intermediate_size=96)
+# 2 layers: cheap to compile, for the capacity searches
+SHALLOW = ModelConfig(model_type="llama", vocab_size=101, hidden_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48)
+
+
+def temp_bytes(compiled) -> int:
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def deep():
+    return sparsejax.Model(DEEP, init_params(DEEP, jax.random.key(0), std=0.1))
+
+
+def cache_shapes(model, plan, batch, capacity):
+    """A cache with the plan's method state, as shapes (lowering needs no values)."""
+    return _abstract_cache(model, batch, capacity, plan, kv_copies=1)
+
+
+@pytest.mark.parametrize("method", [None, methods.Quest(token_budget=64, page_size=16),
+                                    methods.RESA(methods.DELTA().scaled_to(8))])
+def test_decode_step_updates_the_donated_cache_in_place(deep, method):
+    plan = as_plan(method, DEEP, None)
+    cache = cache_shapes(deep, plan, 4, 1024)
+    size = kv.cache_bytes(cache)
+    tokens = jnp.zeros((4,), jnp.int32)
+    step = jax.jit(functools.partial(decode_step, plan=plan), donate_argnums=1)
+    compiled = step.lower(deep, cache, tokens).compile()
+    assert temp_bytes(compiled) < size / 2
+    assert compiled.memory_analysis().alias_size_in_bytes >= size
+    # negative control: reading the old cache after the step keeps it alive beside the new one
+    def step_and_read_old(model, cache, tokens):
+        logits, new = decode_step(model, cache, tokens, plan)
+        return logits + cache.k[0, 0, 0, 0, 0] + cache.v[0, 0, 0, 0, 0], new
+    copying = jax.jit(step_and_read_old, donate_argnums=1).lower(deep, cache, tokens).compile()
+    assert temp_bytes(copying) >= size / 2
+
+
+def test_prefill_chunk_updates_the_donated_cache_in_place(deep):
+    plan = as_plan(None, DEEP, None)
+    cache = cache_shapes(deep, plan, 4, 1024)
+    size = kv.cache_bytes(cache)
+    num = jnp.full((4,), 8, jnp.int32)
+    chunk = jax.jit(lambda m, c, t: ext.extend(m, c, t, num), donate_argnums=1)
+    compiled = chunk.lower(deep, cache, jnp.zeros((4, 8), jnp.int32)).compile()
+    assert temp_bytes(compiled) < size / 2
+
+
+def test_generate_holds_one_cache():
+    """generate's cache lives inside the program: one cache of its temporaries. A second copy
+    (the one-pass prefill's stacked K/V, the old default; a copy around the loop) takes it
+    past two.
+    12 layers and chunks of 16: the CPU reference attention's per-layer [chunk, context]
+    temporaries stay a small share. (Correction and speculative rounds measure the same,
+    1.68 caches; benchmarks/memory_probe.py checks them on the GPU.)"""
+    config = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=12,
+                         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
+    model = sparsejax.Model(config, init_params(config, jax.random.key(0), std=0.1))
+    ids = jnp.zeros((4, 192), jnp.int32)
+    size = kv.kv_bytes(config, 4, 192 + 63, dtype=jnp.float32)
+    args, static = _prepare(model, ids, max_new_tokens=64, prefill_chunk=16)
+    assert temp_bytes(_generate.lower(*args, **static).compile()) < 2 * size       # 1.68
+    # negative control: the one-pass prefill (the default before) holds every layer's prompt
+    # K/V beside the cache
+    args, static = _prepare(model, ids, max_new_tokens=64, prefill_chunk="one-pass")
+    assert temp_bytes(_generate.lower(*args, **static).compile()) >= 2 * size      # 3.54
+
+
+# ---- prefill in chunks by default ------------------------------------------------------------
+def test_chosen_chunk():
+    """One step for a prompt that fits the memory share; powers of two, tile multiples and the
+    minimum when memory is short; never more than the prompt."""
+    big = 1 << 40
+    assert ext.choose_prefill_chunk(CFG, 3, 200, free_bytes=big) == 200
+    assert ext.choose_prefill_chunk(CFG, 3, 20000, free_bytes=big) == ext.MAX_PREFILL_CHUNK
+    assert ext.choose_prefill_chunk(CFG, 3, 200, free_bytes=0) == ext.MIN_PREFILL_CHUNK
+    assert ext.choose_prefill_chunk(CFG, 3, 200, tile=48, free_bytes=big) == 240
+    assert ext.choose_prefill_chunk(CFG, 3, 2000, tile=48, free_bytes=0) == 48
+    per_row = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
+    assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=per_row * 2 * 700) == 512
+    assert ext.resolve_prefill_chunk("one-pass", CFG, 1, 9) is None
+    assert ext.resolve_prefill_chunk(0, CFG, 1, 9) is None
+    for bad in (-1, 2.5, "chunks", True):
+        with pytest.raises(ValueError, match="prefill_chunk="):
+            ext.resolve_prefill_chunk(bad, CFG, 1, 9)
+
+
+prefill = jax.jit(sparsejax.prefill, static_argnames=("plan", "chunk"))
+
+
+@pytest.mark.parametrize("method", [None, methods.Quest(page_size=16, token_budget=32),
+                                    methods.RESA(methods.DELTA().scaled_to(6))],
+                         ids=["dense", "quest", "resa"])
+def test_default_chunked_prefill_equals_one_pass(model, prompts, monkeypatch, method):
+    """With little free memory the default prefill runs the ragged prompts (200, 150 and 93
+    tokens: one shorter than a chunk, none a multiple of it) in chunks of 128: logits, the
+    cache's valid K/V and the method state (Quest's bounds, RESA's prior) equal one pass's."""
+    per_token = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
+    monkeypatch.setattr(kv, "memory_available", lambda: 3 * 128 * per_token)
+    assert ext.choose_prefill_chunk(CFG, 3, prompts.shape[1]) == 128
+    plan = as_plan(method, CFG, None)
+    empty = kv.allocate(CFG, 3, 256, page_size=plan.page_size, dtype=jnp.float32,
+                        check_memory=False)
+    want, want_cache = prefill(model, empty, prompts, LENGTHS, plan=plan, chunk="one-pass")
+    got, cache = prefill(model, empty, prompts, LENGTHS, plan=plan)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), LENGTHS)
+    P = plan.page_size
+    for b, n in enumerate(LENGTHS):
+        pos = np.arange(n)
+        pages = np.asarray(cache.page_table)[b, pos // P]
+        for x, y in ((cache.k, want_cache.k), (cache.v, want_cache.v)):
+            np.testing.assert_allclose(np.asarray(x[:, pages, :, pos % P]),
+                                       np.asarray(y[:, pages, :, pos % P]), atol=1e-5)
+    got_leaves, tree = jax.tree.flatten(cache.state)
+    want_leaves, want_tree = jax.tree.flatten(want_cache.state)
+    assert tree == want_tree and (method is None) == (not got_leaves)
+    for g, w in zip(got_leaves, want_leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w))
+        np.testing.assert_allclose(g[np.isfinite(w)], w[np.isfinite(w)], atol=1e-4)
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+def test_allocate_refuses_what_does_not_fit_and_names_the_largest_batch(monkeypatch):
+    context = 2000
+    row = kv.kv_bytes(SHALLOW, 1, context, dtype=jnp.float32)
+    free = 20 * row + row // 2
+    monkeypatch.setattr(kv, "memory_available", lambda: free)
+    largest = sparsejax.max_batch(SHALLOW, context, dtype=jnp.float32, free_bytes=free)
+    # the step's temporaries take room beside the cache: fewer rows than the bytes alone allow
+    assert 1 <= largest < 20
+    kv.allocate(SHALLOW, largest, context, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=rf"batch={largest + 1} rows x {context} tokens .*"
+                                         rf"at most batch={largest} rows"):
+        kv.allocate(SHALLOW, largest + 1, context, dtype=jnp.float32)
+    # the step's own memory analysis says the same
+    need = lambda b: (kv.kv_bytes(SHALLOW, b, context, dtype=jnp.float32)  # noqa: E731
+                      + kv.step_temporaries(SHALLOW, b, context, dtype=jnp.float32))
+    assert need(largest) <= free < need(largest + 1)
+
+
+def test_max_batch_without_room():
+    assert sparsejax.max_batch(SHALLOW, 4096, free_bytes=1000) == 0
+    with pytest.raises(ValueError, match="context=0"):
+        sparsejax.max_batch(SHALLOW, 0)
+
+
+def test_generate_refuses_what_does_not_fit(monkeypatch):
+    """generate compiles first and compares the program's bytes (XLA's memory analysis) with
+    the free memory: 6 rows in room for 4 are refused, naming 4, and 4 rows run."""
+    from sparsejax.generate import _program_bytes
+
+    model = sparsejax.Model(SHALLOW, init_params(SHALLOW, jax.random.key(0)))
+    ids = np.ones((6, 100), np.int32)
+    # a fixed chunk: the chosen one would shrink with the free memory (and so would the need)
+    run = functools.partial(sparsejax.generate, model, max_new_tokens=28, prefill_chunk=100)
+    args, static = _prepare(model, ids[:4], max_new_tokens=28, prefill_chunk=100)
+    free = int(1.1 * _program_bytes(_generate.lower(*args, **static).compile()))
+    monkeypatch.setattr(kv, "memory_available", lambda: free)
+    # at these shapes the CPU reference attention's temporaries are ~30x the cache: compile
+    # and check even a cache that small (the shortcut assumes temporaries a fraction of it)
+    monkeypatch.setattr(kv, "_ROOM_TO_SPARE", 10**9)
+    with pytest.raises(ValueError, match=r"batch=6 rows x 127 tokens.*at most batch=4 rows"):
+        run(ids)
+    out = run(ids[:4])
+    assert out.tokens.shape == (4, 28)
