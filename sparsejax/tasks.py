@@ -398,10 +398,14 @@ def build(task_name: str, tokenizer, context: int, seed: int, *, chat: bool = Tr
                   seed=int(seed), max_new_tokens=answer_tokens + ANSWER_MARGIN_TOKENS)
 
 
-def prompt_batch(samples: Sequence[Sample], pad_id: int = 0):
-    """Right-padded prompts for `sparsejax.generate`: ids [B, T] int32, lengths [B] int32."""
+def prompt_batch(samples: Sequence[Sample], pad_id: int = 0, length: int | None = None):
+    """Right-padded prompts for `sparsejax.generate`: ids [B, T] int32 (T = `length`, default
+    the longest prompt), lengths [B] int32."""
     lengths = np.asarray([s.length for s in samples], np.int32)
-    ids = np.full((len(samples), int(lengths.max())), pad_id, np.int32)
+    T = int(lengths.max()) if length is None else length
+    if lengths.max() > T:
+        raise ValueError(f"length={T} is shorter than the longest prompt ({lengths.max()})")
+    ids = np.full((len(samples), T), pad_id, np.int32)
     for row, s in enumerate(samples):
         ids[row, :s.length] = s.prompt_ids
     return ids, lengths
