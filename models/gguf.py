@@ -91,10 +91,12 @@ def read_config(reader, path: Path) -> ModelConfig:
 
     heads = meta("attention.head_count")
     hidden = meta("embedding_length")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab_size = meta("vocab_size")
+    if vocab_size is None and "tokenizer.ggml.tokens" in reader.fields:   # older files
+        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
     d = {
         "model_type": arch,
-        "vocab_size": meta("vocab_size", len(tokens) if tokens is not None else None),
+        "vocab_size": vocab_size,
         "hidden_size": hidden,
         "num_hidden_layers": meta("block_count"),
         "num_attention_heads": heads,

@@ -44,7 +44,8 @@ def vocabulary() -> list[str]:
 
 def source_model(arch: str):
     """A tiny random transformers model of `arch` (fp32, eval), its logits spread out."""
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[arch]
     cfg = cls(vocab_size=len(vocabulary()), tie_word_embeddings=arch == "qwen2", **TINY)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
@@ -57,6 +58,7 @@ def source_model(arch: str):
 GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
@@ -105,6 +107,10 @@ def write_gguf(path, arch: str, tensors: dict[str, np.ndarray], qtype: str, conf
     w.add_vocab_size(config.vocab_size)
     if arch == "llama":
         w.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim and head_dim != config.hidden_size // config.num_attention_heads:
+        w.add_key_length(head_dim)      # Qwen3: head_dim 128 here, not hidden / heads
+        w.add_value_length(head_dim)
     tokens = vocabulary()
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -129,16 +135,16 @@ def write_gguf(path, arch: str, tensors: dict[str, np.ndarray], qtype: str, conf
 
 @pytest.fixture(scope="module")
 def sources():
-    return {arch: source_model(arch) for arch in ("llama", "qwen2")}
+    return {arch: source_model(arch) for arch in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="module")
 def files(sources, tmp_path_factory):
-    """(arch, type) -> a GGUF file of the source model."""
+    """(arch, type) -> a GGUF file of the source model (qwen3: Q8_0 only)."""
     out = {}
     for arch, model in sources.items():
         tensors = gguf_tensors(model, arch)
-        for qtype in TYPES:
+        for qtype in TYPES if arch != "qwen3" else ("Q8_0",):
             folder = tmp_path_factory.mktemp(f"{arch}-{qtype}")
             out[arch, qtype] = write_gguf(folder / f"tiny-{qtype}.gguf", arch, tensors, qtype,
                                           model.config)
@@ -148,8 +154,8 @@ def files(sources, tmp_path_factory):
 IDS = np.random.default_rng(0).integers(0, 256, (2, 19))
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch, qtype", [(a, q) for a in ("llama", "qwen2") for q in TYPES]
+                         + [("qwen3", "Q8_0")])
 def test_logits_match_transformers_gguf(files, sources, arch, qtype):
     path = files[arch, qtype]
     reference = transformers.AutoModelForCausalLM.from_pretrained(
