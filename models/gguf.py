@@ -1,11 +1,11 @@
-"""GGUF files (llama.cpp's format) -> `Model`, through the `gguf` package's reader and
-dequantizers.
+"""GGUF files (llama.cpp's format) -> config and Hugging Face-named float32 tensors, through
+the `gguf` package's reader and dequantizers.
 
 Reads the config from the file's metadata, dequantizes every tensor to float32
 (`gguf.quants.dequantize`), renames llama.cpp's tensors to Hugging Face's and undoes the row
 permutation llama.cpp's converter applies to the query and key projections of llama
 checkpoints (its `LlamaModel.permute`; transformers' `LlamaTensorProcessor` undoes it the same
-way), then maps them onto the decoder's layout with `loading.params_from_tensors`. The
+way); `loading.from_pretrained` maps them onto the decoder's layout. The
 tokenizer is transformers' conversion of the file's vocabulary (`AutoTokenizer` with
 `gguf_file=`).
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
@@ -173,18 +172,13 @@ def read_tensors(reader, config: ModelConfig, path: Path) -> dict[str, np.ndarra
     return out
 
 
-def load_gguf(path: str | Path, *, dtype=jnp.bfloat16, check_finite: bool = True):
-    """A `Model` from a llama, qwen2 or qwen3 GGUF file, its tensors dequantized."""
-    from .decoder import Model
-    from .loading import params_from_tensors
-
+def read_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The config and the float32 tensors, by Hugging Face name, of a llama, qwen2 or qwen3
+    GGUF file (`loading.from_pretrained` maps them onto the decoder)."""
     path = Path(path)
     reader = _reader(path)
     config = read_config(reader, path)
-    tensors = read_tensors(reader, config, path)
-    params = params_from_tensors(lambda name: (tensors[name], str(path)), tensors, config,
-                                 dtype, source=str(path), check_finite=check_finite)
-    return Model(config=config, params=params)
+    return config, read_tensors(reader, config, path)
 
 
 def load_gguf_tokenizer(path: str | Path):
@@ -202,5 +196,5 @@ def load_gguf_tokenizer(path: str | Path):
                          "truncated or damaged?") from None
 
 
-__all__ = ["ARCHITECTURES", "TENSOR_TYPES", "gguf_in", "hf_name", "is_gguf", "load_gguf",
-           "load_gguf_tokenizer", "read_config", "read_tensors", "unpermute"]
+__all__ = ["ARCHITECTURES", "TENSOR_TYPES", "gguf_in", "hf_name", "is_gguf",
+           "load_gguf_tokenizer", "read_checkpoint", "read_config", "read_tensors", "unpermute"]

@@ -253,7 +253,10 @@ def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
     """
     path = checkpoint_dir(path_or_id)
     if (file := gguf_file(path)) is not None:
-        return gguf.load_gguf(file, dtype=dtype, check_finite=check_finite)
+        config, tensors = gguf.read_checkpoint(file)
+        return Model(config=config, params=params_from_tensors(
+            lambda name: (tensors[name], str(file)), tensors, config, dtype, source=str(file),
+            check_finite=check_finite))
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(path / "config.json")
