@@ -327,26 +327,46 @@ def _render(tokenizer, spec: _Spec, document: str, chat: bool) -> tuple[str, lis
     return text, list(tokenizer(text)["input_ids"])
 
 
-def _largest(fits: Callable[[int], bool], lo: int, hi: int | None = None,
-             guess: int | None = None) -> int:
-    """The largest n >= lo with fits(n), given fits(lo); searched from `guess` upwards by
-    doubling when `hi` is None, then by bisection."""
-    if hi is None:
-        step = max(1, guess or 1)
-        probe = max(lo + 1, guess or lo + 1)
-        while fits(probe):
-            lo, probe = probe, probe + step
-            step *= 2
-        hi = probe
+def _largest(fits: Callable[[int], bool], guess: int, step: int) -> int:
+    """The largest n >= 0 with fits(n) (fits(0) holds, and fits is monotone), searched from
+    `guess` in steps that double, then by bisection."""
+    lo, hi = 0, None
+    if fits(guess):
+        lo = guess
+        while hi is None:
+            if fits(lo + step):
+                lo, step = lo + step, step * 2
+            else:
+                hi = lo + step
     else:
-        hi += 1
-    while hi - lo > 1:                 # fits(lo), not fits(hi)
+        hi = guess
+        while hi - step > lo:
+            if fits(hi - step):
+                lo = hi - step
+                break
+            hi, step = hi - step, step * 2
+    return _bisect(fits, lo, hi)
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in [lo, hi) with fits(n), given fits(lo) and not fits(hi)."""
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
     return lo
+
+
+def _sentence_tokens(tokenizer, start: int, tokens: int) -> np.ndarray:
+    """Cumulative tokens of the prose sentences from `start`, each counted alone (one batched
+    call per 256), until they pass `tokens` by a tenth."""
+    prose, counts = _sentences(), []
+    while sum(counts) <= 1.1 * tokens + 64:
+        chunk = [prose[(start + len(counts) + i) % len(prose)] for i in range(256)]
+        counts += [len(ids) for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]]
+    return np.cumsum(counts)
 
 
 def build(task_name: str, tokenizer, context: int, seed: int, *, chat: bool = True) -> Sample:
@@ -381,15 +401,26 @@ def build(task_name: str, tokenizer, context: int, seed: int, *, chat: bool = Tr
         raise ValueError(f"context={context} is too short for task {task_name!r}: its prompt "
                          f"without any haystack takes {len(render(0)[2])} tokens of this "
                          "tokenizer")
-    # a first guess of the sentences that fit, from the tokens of a few
-    probe = min(32, len(_sentences()))
-    per_unit = max(1e-3, (len(render(probe)[2]) - len(render(0)[2])) / probe)
-    guess = max(1, int(0.95 * (context - len(render(0)[2])) / per_unit))
-    sentences = _largest(fits, 0, guess=guess)
-    words = 0
+    # a first guess of the units that fit, then a search around it with each try measured
+    base = len(render(0)[2])
+    room = context - base
     if spec.units is None:
+        # sentences counted alone miss how tokens join across their boundaries: scale the
+        # count by what one measured prompt shows
+        cum = _sentence_tokens(tokenizer, start, room)
+        first = max(1, int(np.searchsorted(cum, room, side="right")))
+        scale = (len(render(first)[2]) - base) / cum[first - 1]
+        guess = max(1, int(np.searchsorted(cum * scale, room, side="right")))
+    else:
+        probe = 64
+        guess = max(1, int(probe * room / max(1, len(render(probe)[2]) - base)))
+    sentences = _largest(fits, guess, max(1, guess // 512))
+    words = 0
+    if spec.units is None:      # then as many words of the next sentence as fit
         tail = len(_sentences()[(start + sentences) % len(_sentences())].split())
-        words = _largest(lambda w: fits(sentences, w), 0, tail - 1) if tail > 1 else 0
+        left = context - len(render(sentences)[2])
+        words = _largest(lambda w: w < tail and fits(sentences, w),
+                         min(tail - 1, max(0, left * 2 // 3)), 1)
     document, text, ids = render(sentences, words)
     answer_tokens = len(tokenizer(" " + ", ".join(spec.answers), add_special_tokens=False)
                         ["input_ids"])
