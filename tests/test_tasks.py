@@ -177,3 +177,55 @@ def test_build_prose_script(tmp_path):
     header, body = out.split("\n\n", 1)
     assert "A Book, by Someone (somewhere)" in header
     assert body == "It was a dark night.\n"
+
+
+def test_eval_picks_the_task_set_by_tokenizer():
+    from sparsejax import evaluation
+
+    embedded = sparsejax.load_tokenizer(sparsejax.embedded_model_path())
+    assert isinstance(evaluation.task_set(embedded, ["niah", "vt"], 256),
+                      evaluation.SyntheticTasks)
+    assert isinstance(evaluation.task_set(None, ["niah"], 256), evaluation.SyntheticTasks)
+    with pytest.raises(ValueError, match="--task passkey,qa: .*synthetic.*--model smollm2"):
+        evaluation.task_set(embedded, ["niah", "passkey", "qa"], 256)
+    prose = evaluation.task_set(word_tokenizer(), ["passkey", "niah", "cwe"], 256)
+    assert isinstance(prose, evaluation.ProseTasks)
+    with pytest.raises(ValueError, match="--task copy: .*prose"):
+        evaluation.task_set(word_tokenizer(), ["copy"], 256)
+
+
+def test_evaluate_on_prose_scores_what_generate_decodes(monkeypatch):
+    """`evaluate` with a non-synthetic tokenizer scores, per prompt, the completion a direct
+    greedy `generate` decodes from the same prompt, and reports the mean score per task."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsejax import evaluation
+    from sparsejax.models import Model, ModelConfig, init_params
+
+    tok = word_tokenizer()
+    config = ModelConfig(model_type="llama", vocab_size=len(tok), hidden_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         eos_token_id=tok.eos_token_id)
+    model = Model(config, init_params(config, jax.random.key(0), jnp.float32))
+    context, names = 300, ("passkey", "vt")
+    scored, score = [], tasks.score
+    monkeypatch.setattr(tasks, "score", lambda text, answers: scored.append(text) or
+                        score(text, answers))
+    doc = evaluation.evaluate(model, tasks=names, context=context, samples=2, ratios=[0.5],
+                              method_names=["dense"], timing=False, tokenizer=tok, seed=5)
+    assert doc["task_set"] == "prose"
+    samples = [tasks.build(t, tok, context, 5 + i) for i in range(2) for t in names]
+    ids, lengths = tasks.prompt_batch(samples, 0, length=context)
+    out = sparsejax.generate(model, ids, lengths=lengths,
+                             max_new_tokens=max(s.max_new_tokens for s in samples))
+    texts = [tok.decode(t[:n], skip_special_tokens=True)
+             for t, n in zip(np.asarray(out.tokens), np.asarray(out.num_generated))]
+    assert scored == texts and any(texts)
+    scores = [score(text, s.answers) for text, s in zip(texts, samples)]
+    for name in names:
+        result = next(r for r in doc["results"] if r["task"] == name)
+        want = np.mean([sc for sc, s in zip(scores, samples) if s.task == name])
+        assert result["accuracy"] == pytest.approx(want)
+        assert result["samples"] == 2
