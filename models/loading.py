@@ -253,6 +253,7 @@ def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
     """
     path = checkpoint_dir(path_or_id)
     if (file := gguf_file(path)) is not None:
+        _check_float_dtype(dtype)           # before the dequantizing, not after
         config, tensors = gguf.read_checkpoint(file)
         return Model(config=config, params=params_from_tensors(
             lambda name: (tensors[name], str(file)), tensors, config, dtype, source=str(file),

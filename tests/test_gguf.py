@@ -265,3 +265,10 @@ def test_missing_gguf_file(tmp_path):
         sparsejax.from_pretrained("nowhere/model.gguf")
     with pytest.raises(ValueError, match="not a file"):
         sparsejax.load_tokenizer(tmp_path / "absent.gguf")
+
+
+def test_bad_dtype_named_before_reading(tmp_path):
+    path = tmp_path / "empty.gguf"
+    path.write_bytes(b"")
+    with pytest.raises(ValueError, match="dtype=int32: expected a float dtype"):
+        sparsejax.from_pretrained(path, dtype=jnp.int32)
