@@ -25,7 +25,8 @@ from sparsejax.generate import (GenerateOutput, Sampling, bucket_length, compile
                                 decode_step, enable_compilation_cache, generate, max_batch, prefill,
                                 sample)
 from sparsejax.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
-from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
+from sparsejax.models import (Model, ModelConfig, from_pretrained, load_tokenizer, logits,
+                              real_model_path, save_pretrained)
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
 from sparsejax.sharding import allocate, shard
 
@@ -47,6 +48,6 @@ __all__ = [
     "Selector", "SparsePlan", "allocate", "bucket_length", "compile_generate", "decode_step",
     "embedded_model_path", "enable_compilation_cache",
     "from_pretrained", "generate", "load_tokenizer", "logits", "max_batch", "methods", "prefill",
-    "sample",
+    "real_model_path", "sample",
     "save_pretrained", "shard",
 ]

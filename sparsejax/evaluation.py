@@ -4,9 +4,12 @@
         --methods dense,delta,kascade,lychee,quest,tidal,streaming,oracle,delta+resa \
         --budget-ratio 0.1,0.25 --json out.json --plot out.png
 
-Tasks are the synthetic long-context tasks of `sparsejax.train.data` (exact-match answers).
-The model must speak the tasks' vocabulary (`sparsejax.train.tokenizer`: 1024 words, each one
-token); a model with another tokenizer is refused with the words it lacks.
+Tasks: a model whose tokenizer is the synthetic tasks' vocabulary (`sparsejax.train.tokenizer`,
+as the embedded model's) runs the synthetic tasks of `sparsejax.train.data` (niah, multikey,
+multivalue, vt: exact-match answer tokens); any other model runs the tasks of the same names on
+real prose, and passkey, cwe and qa, from `sparsejax.tasks` (RULER's prompts, chat-templated
+where the tokenizer has a template; scored by the share of expected answers the completion
+contains).
 Each method runs greedy `generate` with diagnostics (accuracy, and per decode step and layer
 the recall and attention-output error against dense attention), then without them for tokens/s:
 compiled ahead of time, one warm-up run, the median of `repeats` timed runs. Methods are the
@@ -96,23 +99,102 @@ def _valid_steps(num_generated: np.ndarray, steps: int) -> np.ndarray:
     return np.arange(steps)[:, None] < (num_generated[None, :] - 1)
 
 
-def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
-               timing: bool = True, repeats: int = 3, correct_every: int | None = None,
-               draft_tokens: int | None = None) -> list[dict]:
-    """Per sample: correct, and per-layer recall / oracle recall / attention error averaged
-    over the decode steps it ran, or with `draft_tokens` (lossless mode, which has no
-    diagnostics) the tokens it drafted and the dense verify accepted; plus, when `timing`, the
-    batch's tokens/s: the median of `repeats` runs after a warm-up (compile excluded)."""
+class SyntheticTasks:
+    """The synthetic tasks' prompts (`train.data.Sample`): batches, EOS and exact-match scoring
+    of the answer tokens."""
+    name = "synthetic"
+
+    def __init__(self):
+        from sparsejax.train import data
+
+        self.data = data
+        self.eos_token_id = data.EOS_ID
+        self.max_new_tokens = data.MAX_ANSWER_TOKENS
+
+    def samples(self, tasks, context: int, count: int, seed: int, vocab) -> list:
+        return [self.data.make_sample(t, context, seed, i, vocab)
+                for i in range(count) for t in tasks]
+
+    def batch(self, samples):
+        return self.data.prompt_batch(samples)
+
+    def score(self, tokens: np.ndarray, generated: int, sample) -> float:
+        """`tokens`: the row's generated tokens (EOS-padded past `generated`)."""
+        return float(self.data.check_answer(tokens, sample))
+
+
+class ProseTasks:
+    """`sparsejax.tasks` prompts in `tokenizer`: padded to the context (one shape a batch),
+    the model's own EOS, and RULER's scoring of the decoded completion."""
+    name = "prose"
+
+    def __init__(self, tokenizer, context: int):
+        from sparsejax import tasks
+
+        self.tasks, self.tokenizer, self.context = tasks, tokenizer, context
+        self.eos_token_id = None            # generate's default: the model config's EOS
+        self.max_new_tokens = None          # set by `samples`: the longest answer's
+
+    def samples(self, tasks, context: int, count: int, seed: int, vocab=None) -> list:
+        out = [self.tasks.build(t, self.tokenizer, context, seed + i)
+               for i in range(count) for t in tasks]
+        self.max_new_tokens = max(s.max_new_tokens for s in out)
+        return out
+
+    def batch(self, samples):
+        pad = self.tokenizer.pad_token_id
+        return self.tasks.prompt_batch(samples, 0 if pad is None else pad, length=self.context)
+
+    def score(self, tokens: np.ndarray, generated: int, sample) -> float:
+        """`tokens`: the row's generated tokens, of which the first `generated` count."""
+        return self.tasks.score(self.tokenizer.decode(tokens[:generated],
+                                                      skip_special_tokens=True), sample.answers)
+
+
+def task_set(tokenizer, tasks, context: int):
+    """`SyntheticTasks` when the tokenizer's vocabulary is the synthetic tasks' (or there is no
+    tokenizer), else `ProseTasks`; `tasks` checked against the chosen set's names."""
+    from sparsejax import tasks as prose
     from sparsejax.train import data
 
+    synthetic = tokenizer is None
+    if not synthetic:
+        try:
+            data.as_vocab(tokenizer.get_vocab())
+            synthetic = True
+        except ValueError:          # another vocabulary: the prose tasks
+            pass
+    names = data.TASKS if synthetic else prose.TASKS
+    unknown = [t for t in tasks if t not in names]
+    if unknown:
+        other = "" if synthetic else " (the synthetic tasks need the embedded model's vocabulary)"
+        if synthetic and all(t in prose.TASKS for t in unknown):
+            other = (" (the prose tasks passkey, cwe and qa need a model with a real "
+                     "tokenizer, e.g. --model smollm2)")
+        raise ValueError(f"--task {','.join(unknown)}: this model's tokenizer runs the "
+                         f"{'synthetic' if synthetic else 'prose'} tasks, expected some of "
+                         f"{names}{other}")
+    return SyntheticTasks() if synthetic else ProseTasks(tokenizer, context)
+
+
+def run_method(model, samples, method, *, batch: int, max_new_tokens: int | None = None,
+               timing: bool = True, repeats: int = 3, correct_every: int | None = None,
+               draft_tokens: int | None = None, task_set=None) -> list[dict]:
+    """Per sample: correct (its score, in [0, 1]), and per-layer recall / oracle recall /
+    attention error averaged over the decode steps it ran, or with `draft_tokens` (lossless
+    mode, which has no diagnostics) the tokens it drafted and the dense verify accepted; plus,
+    when `timing`, the batch's tokens/s: the median of `repeats` runs after a warm-up (compile
+    excluded). `task_set` (default `SyntheticTasks()`) batches and scores the samples."""
+    task_set = SyntheticTasks() if task_set is None else task_set
+    max_new_tokens = task_set.max_new_tokens if max_new_tokens is None else max_new_tokens
     rows, run = [], None
     batch = min(batch, len(samples))
     for start in range(0, len(samples), batch):
         chunk = samples[start:start + batch]
         # the last batch is padded with repeats of its first prompt: one shape, one compile
-        ids, lengths = data.prompt_batch(chunk + chunk[:1] * (batch - len(chunk)))
+        ids, lengths = task_set.batch(chunk + chunk[:1] * (batch - len(chunk)))
         kw = dict(lengths=lengths, max_new_tokens=max_new_tokens, method=method,
-                  eos_token_id=data.EOS_ID, correct_every=correct_every,
+                  eos_token_id=task_set.eos_token_id, correct_every=correct_every,
                   draft_tokens=draft_tokens)
         compiled_now = timing and run is None
         if compiled_now:        # every batch has one shape: one compile per method
@@ -125,7 +207,7 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
         else:                   # the timed executable's first run is also the warm-up
             out = run(ids, lengths) if timing else generate(model, ids, **kw)
             per_row = {"drafted": np.asarray(out.drafted), "accepted": np.asarray(out.accepted)}
-        toks = np.asarray(out.tokens)
+        toks, generated = np.asarray(out.tokens), np.asarray(out.num_generated)
         tokens_per_s = None
         if timing:
             seconds = []
@@ -137,7 +219,8 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int,
             tokens_per_s = float(np.sum(np.asarray(timed.num_generated)[:len(chunk)])) / (
                 statistics.median(seconds))
         for i, sample in enumerate(chunk):
-            rows.append({"task": sample.task, "correct": data.check_answer(toks[i], sample),
+            rows.append({"task": sample.task,
+                         "correct": task_set.score(toks[i], int(generated[i]), sample),
                          "tokens_per_s": tokens_per_s,
                          **{k: v[..., i] for k, v in per_row.items()}})
     return rows
@@ -163,7 +246,7 @@ def summarize(rows: list[dict], method, config, task: str,
     sparse = [i for i, role in enumerate(plan.roles) if role not in (Role.DENSE, Role.SELECT)]
     res = {
         "task": task, "accuracy": float(np.mean([r["correct"] for r in rows])),
-        "correct": int(sum(r["correct"] for r in rows)), "samples": len(rows),
+        "correct": int(sum(r["correct"] >= 1 for r in rows)), "samples": len(rows),
         "recall_per_layer": None, "oracle_recall_per_layer": None, "attn_error_per_layer": None,
         "sparse_layers": sparse, "mean_recall": None, "mean_attn_error": None,
         "tokens_per_s": (None if rows[0]["tokens_per_s"] is None else
@@ -191,7 +274,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
              timing: bool = True, repeats: int = 3, calibrated: bool = True,
              progress=log.info, correct_every: int | None = None,
              sparse_prefill: bool = False, sparse_anchors: bool = False,
-             draft_tokens: int = DRAFT_TOKENS) -> dict:
+             draft_tokens: int = DRAFT_TOKENS, tokenizer=None) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
@@ -199,14 +282,17 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
     `calibrated` is False), or `methods(ratio) -> {name: method}` for any others; a name
     ending in '+spec' runs lossless mode, its method drafting `draft_tokens` per round.
     `correct_every`, `sparse_prefill` and `sparse_anchors` (Kascade's) apply to every method
-    they concern: none in lossless mode, whose output is dense decoding's."""
-    from sparsejax.train import data
-
+    they concern: none in lossless mode, whose output is dense decoding's.
+    `tokenizer`: the model's; None or the synthetic tasks' vocabulary runs the synthetic tasks
+    (with `vocab`), any other the prose tasks of `sparsejax.tasks` (see `task_set`)."""
     if not (isinstance(draft_tokens, int) and draft_tokens >= 1):
         raise ValueError(f"draft_tokens={draft_tokens!r}: expected an int >= 1")
 
+    chosen_set = task_set(tokenizer, tasks, context)
+    prompts = chosen_set.samples(tasks, context, samples, seed, vocab)
     fitted = M.fitted_beside(model_dir, model, calibrated=calibrated and methods is None)
     doc = {"model": str(model_dir) if model_dir else None, "tasks": list(tasks),
+           "task_set": chosen_set.name,
            "context": context, "samples_per_task": samples, "seed": seed,
            "device": getattr(jax.devices()[0], "device_kind", jax.default_backend()),
            "jax_version": jax.__version__, "date": datetime.date.today().isoformat(),
@@ -216,7 +302,6 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
            "sparse_prefill": sparse_prefill, "sparse_anchors": sparse_anchors,
            "timing": {"warmup_runs": 1, "repeats": repeats, "statistic": "median"} if timing
            else None, "results": []}
-    prompts = [data.make_sample(t, context, seed, i, vocab) for i in range(samples) for t in tasks]
     for ratio in ratios:
         chosen = (methods(ratio) if methods is not None else
                   build_methods(model.config, method_names, ratio, fitted))
@@ -232,10 +317,9 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
                 label += f"+correct{correct_every}"
             t0 = time.perf_counter()
             gamma = draft_tokens if lossless else None
-            rows = run_method(model, prompts, method, batch=batch,
-                              max_new_tokens=data.MAX_ANSWER_TOKENS, timing=timing,
+            rows = run_method(model, prompts, method, batch=batch, timing=timing,
                               repeats=repeats, correct_every=None if lossless else correct_every,
-                              draft_tokens=gamma)
+                              draft_tokens=gamma, task_set=chosen_set)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task, gamma)
                 res.update(method=label, budget_ratio=ratio,
@@ -368,13 +452,19 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method",
                        description="Accuracy, attention recall, attention-output error and "
-                       "tokens/s of the methods on the synthetic tasks of sparsejax.train.data. "
-                       "The model must use those tasks' 1024-word vocabulary "
-                       "(sparsejax.train.tokenizer), as the embedded model does.")
+                       "tokens/s of the methods on long-context tasks. A model whose tokenizer "
+                       "is the synthetic tasks' 1024-word vocabulary (sparsejax.train.tokenizer; "
+                       "the embedded model) runs the synthetic tasks of sparsejax.train.data; "
+                       "any other model (e.g. --model smollm2) runs the RULER-style tasks of "
+                       "sparsejax.tasks on real prose, in its chat template.")
     p.add_argument("--model", default=None,
-                   help="HF checkpoint dir (default: the embedded model)")
+                   help="HF checkpoint dir, .gguf file, Hub id or 'smollm2' (default: the "
+                   "embedded model)")
     p.add_argument("--task", default="niah,multikey,multivalue,vt",
-                   help="comma-separated: niah, multikey, multivalue, vt")
+                   help="comma-separated. Both task sets: niah (one needle), multikey (four "
+                   "keys, one asked), multivalue (four values of one key), vt (variable "
+                   "tracking); prose tasks only (a model with a real tokenizer): passkey, cwe "
+                   "(common-word extraction), qa (a fact question)")
     p.add_argument("--context", type=positive_int, default=1024, help="prompt tokens")
     p.add_argument("--samples", type=positive_int, default=8, help="prompts per task")
     p.add_argument("--methods", default=",".join(M.REGISTRY),
@@ -389,7 +479,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
     p.add_argument("--repeats", type=positive_int, default=3,
                    help="timed runs per method after a warm-up (the median is reported)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
     p.add_argument("--no-calibration", action="store_true",
                    help="DELTA/Kascade layer choices from the defaults scaled to the depth, not "
@@ -443,30 +533,34 @@ def budget_ratios(args, context: int) -> list[float]:
 
 def run(args) -> int:
     import sparsejax
+    from sparsejax import tasks as prose
     from sparsejax.files import check_outputs, write_text_atomic
     from sparsejax.train import data
 
     outputs = check_outputs({"--json": args.json, "--plot": args.plot})
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    known = tuple(dict.fromkeys(data.TASKS + prose.TASKS))
     if not tasks:
-        raise ValueError(f"--task {args.task!r}: expected some of {data.TASKS}, "
-                         "comma-separated")
+        raise ValueError(f"--task {args.task!r}: expected some of {known}, comma-separated")
     for t in tasks:
-        if t not in data.TASKS:
-            raise ValueError(f"--task {t!r}: expected some of {data.TASKS}")
+        if t not in known:
+            raise ValueError(f"--task {t!r}: expected some of {known}")
     ratios = budget_ratios(args, args.context)
     names = parse_methods(args.methods)
     gamma = lossless_draft_tokens(args, names)
     mesh = sharding.tensor_parallel_mesh(args.tp)
-    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
+    model_dir = (sparsejax.models.loading.checkpoint_dir(args.model) if args.model
+                 else sparsejax.embedded_model_path())
+    tokenizer = sparsejax.load_tokenizer(model_dir)
+    chosen = task_set(tokenizer, tasks, args.context)     # a wrong --task fails before loading
+    vocab = tokenizer.get_vocab() if isinstance(chosen, SyntheticTasks) else None
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
     if mesh is not None:
         model = sparsejax.shard(model, mesh)
-    vocab = sparsejax.load_tokenizer(model_dir).get_vocab()
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
                    method_names=names, ratios=ratios, seed=args.seed,
-                   batch=args.batch, model_dir=model_dir, vocab=vocab,
+                   batch=args.batch, model_dir=model_dir, vocab=vocab, tokenizer=tokenizer,
                    timing=not args.no_timing, repeats=args.repeats,
                    calibrated=not args.no_calibration, correct_every=args.correct_every,
                    sparse_prefill=args.sparse_prefill, sparse_anchors=args.sparse_anchors,
