@@ -419,11 +419,11 @@ def calibration_path(out, method: str, methods) -> Path:
     return out / CALIBRATION_DIR / f"{method}.json"
 
 
-def check_output(path, flag: str) -> Path:
-    """A .json file given outright must go in an existing directory; a file under a directory
-    the job lays out (calibration/, gates/) needs only a writable ancestor."""
+def check_output(path, flag: str, *, makes_directory: bool) -> Path:
+    """A .json file given outright must go in an existing directory; a file in a directory the
+    job makes (calibration/, gates/, a new --out DIR) needs only a writable ancestor."""
     path = Path(path)
-    if path.parent.is_dir() or path.parent.name != CALIBRATION_DIR and path.parent.name != "gates":
+    if not makes_directory or path.parent.is_dir():
         return check_writable(path, flag)
     check_writable(path.parent, flag, directory=True)
     return path
@@ -490,13 +490,12 @@ def default_context(config, decode_steps: int, wanted: int | None = None) -> int
     return min(2048, room)
 
 
-def _cli_prompts(args, tokenizer, context):
-    """-> (ids [N, T], lengths [N], description of the source)."""
+def _cli_prompts(args, tokenizer, context, texts=None):
+    """-> (ids [N, T], lengths [N], description of the source); `texts`: --text's documents."""
     from sparsejax.train import data, documents
 
     if args.text:
-        ids, lengths = documents.token_windows(documents.read_documents(args.text), tokenizer,
-                                               context, args.samples)
+        ids, lengths = documents.token_windows(texts, tokenizer, context, args.samples)
         return ids, lengths, documents.describe(args.text)
     if args.prompts:
         lines = [s for s in Path(args.prompts).read_text().splitlines() if s.strip()]
@@ -539,14 +538,18 @@ def run(args) -> int:
     out = Path(args.out) if args.out else Path(home)
     paths = {m: calibration_path(out, m, methods) for m in methods}
     for path in paths.values():
-        check_output(path, "--out")
+        check_output(path, "--out", makes_directory=out.suffix != ".json")
     if args.plot:
         check_writable(args.plot, "--plot", directory=True)
+    from sparsejax.train.documents import read_documents
+
+    texts = read_documents(args.text) if args.text else None    # before the model loads
     model = sparsejax.from_pretrained(source, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
     c = model.config
     context = default_context(c, args.decode_steps, args.context)
-    ids, lengths, described = _cli_prompts(args, sparsejax.load_tokenizer(source), context)
+    ids, lengths, described = _cli_prompts(args, sparsejax.load_tokenizer(source), context,
+                                           texts)
     L = c.num_layers
     settings = {"decode_steps": args.decode_steps, "samples": int(ids.shape[0]),
                 "context": int(lengths.max()), "prompts": described, "dtype": args.dtype,

@@ -482,27 +482,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _lengths(args, config, tokenizer, filler):
-    """(data, prompt lengths) that fit the model: --min/--max-length, or --context, or 2048
-    capped to leave room for the targets; as many passkeys as fit unless --passkeys."""
-    lo = args.min_length or args.context
-    hi = args.max_length or lo
-    if lo is None:
-        lo = hi = DEFAULT_CONTEXT
-    if lo > hi:
-        raise ValueError(f"--min-length {lo} > --max-length {hi}")
-    count = args.passkeys or passkeys_that_fit(tokenizer, lo)
-    data = PasskeyData(tokenizer, min_length=lo, max_length=hi, num_passkeys=count,
-                       filler=filler, seed=args.seed)
-    room = config.max_position_embeddings - data.target_width
-    if hi > room:
-        if args.context or args.max_length or args.min_length:
-            raise ValueError(f"prompts of up to {hi} tokens and {data.target_width} target "
-                             f"tokens exceed the model's {config.max_position_embeddings}-token "
-                             f"context: give --context {room} or less")
-        lo = hi = room
-        data = dataclasses.replace(data, min_length=lo, max_length=hi, num_passkeys=min(
-            count, passkeys_that_fit(tokenizer, lo)))
-    return data
+    """PasskeyData that fits the model: --min/--max-length or --context as given (an error
+    when prompt + targets exceed the model's context), else the longest prompt up to 2048 tokens
+    that leaves room for the targets; as many passkeys as fill half of it unless --passkeys."""
+    def data(lo, hi, count):
+        return PasskeyData(tokenizer, min_length=lo, max_length=hi, num_passkeys=count,
+                           filler=filler, seed=args.seed)
+
+    given = args.min_length or args.context or args.max_length
+    if given:
+        lo = args.min_length or args.context or args.max_length
+        hi = args.max_length or lo
+        if lo > hi:
+            raise ValueError(f"--min-length {lo} > --max-length {hi}")
+        out = data(lo, hi, args.passkeys or passkeys_that_fit(tokenizer, lo))
+        room = config.max_position_embeddings - out.target_width
+        if hi > room:
+            raise ValueError(f"prompts of up to {hi} tokens and {out.target_width} target tokens "
+                             f"exceed the model's {config.max_position_embeddings}-token context: "
+                             f"give --context {max(room, 0)} or less, or fewer --passkeys")
+        return out
+    longest = min(DEFAULT_CONTEXT, config.max_position_embeddings)
+    count = args.passkeys or passkeys_that_fit(tokenizer, longest)
+    for n in range(count, 0, -1):       # fewer passkeys: fewer targets, a longer prompt
+        width = data(10 ** 6, 10 ** 6, n).target_width
+        length = min(longest, config.max_position_embeddings - width)
+        if length > 0 and (args.passkeys or passkeys_that_fit(tokenizer, length) >= n):
+            try:
+                return data(length, length, n)
+            except ValueError:
+                continue
+    raise ValueError(f"the model's {config.max_position_embeddings}-token context holds no "
+                     "prompt with a passkey and its targets: train its gates elsewhere")
 
 
 def gates_path(out) -> Path:
@@ -521,10 +532,12 @@ def run(args) -> int:
     path = gates_path(args.out if args.out else Path(home) / artifacts.GATES_DIR)
     from .calibrate import check_output
 
-    if args.out and Path(args.out).suffix == ".json":
-        check_writable(path, "--out")
-    else:
-        check_output(path, "--out")
+    check_output(path, "--out", makes_directory=not (args.out and Path(args.out).suffix
+                                                     == ".json"))
+    if args.text:
+        from .documents import read_documents
+
+        read_documents(args.text)          # a missing or empty file fails before the model loads
     model = sparsejax.from_pretrained(source, dtype=compute_dtype())
     tokenizer = sparsejax.load_tokenizer(source)
     c = model.config
