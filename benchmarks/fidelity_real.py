@@ -190,6 +190,10 @@ def measure(args) -> dict:
             for name, ratio in sorted(todo, key=lambda x: x[0] != "dense"):
                 if name != "dense" and dense_acc is not None and dense_acc < DENSE_BAR:
                     continue              # the table reads only cells where dense can do it
+                if name.startswith("lychee") and "@" not in name and fitted.retrieval_heads \
+                        is None:
+                    print(f"  {name}: no trained gates for this model, skipped", flush=True)
+                    continue
                 tokens = max(1, math.ceil((ratio or 1.0) * context))
                 method = None if name == "dense" else build_method(
                     name, model.config, tokens, ratio, fitted)

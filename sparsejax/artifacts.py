@@ -324,7 +324,7 @@ GATES_DIR = "gates"                # <home>/gates/*.json (the first by name)
 # Models that ship by package (a GGUF inside a pip package) have no writable directory of their
 # own: their fitted files ship in this repository under models/assets/<name>/, and are found by
 # the fingerprint inside them, whatever path or name the model was loaded from.
-_PACKAGED = ("smollm2",)
+_PACKAGED = ("smollm2",)          # models.loading.REAL_MODEL
 
 
 def assets_root() -> Path:
@@ -353,11 +353,11 @@ def fitted_directory(source) -> Path:
 
 
 def _packaged_file(name: str) -> Path | None:
-    try:
-        from sparsejax import models
+    from sparsejax.models.loading import REAL_MODEL, real_model_path
 
-        return Path(models.real_model_path(name)).resolve()
-    except Exception:   # the package is not installed, or this build has no packaged models
+    try:
+        return Path(real_model_path()).resolve() if name == REAL_MODEL else None
+    except ValueError:   # the package is not installed
         return None
 
 

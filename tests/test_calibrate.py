@@ -445,3 +445,29 @@ def test_text_calibration_errors_name_the_flag(hf_text_model, tmp_path, capsys):
     assert rc == 2 and "--text FILE" in capsys.readouterr().err
     with pytest.raises(ValueError, match="one per method: give a directory"):
         C.calibration_path(tmp_path / "c.json", "delta", ("delta", "kascade"))
+
+
+def test_packaged_model_finds_its_files_by_fingerprint(tmp_path, monkeypatch):
+    """A model without a directory of its own (a GGUF in a package) reads the files under
+    models/assets/<name>/ whose fingerprint is its own, whatever path it was loaded from."""
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    assets = tmp_path / "assets"
+    monkeypatch.setattr(A, "assets_root", lambda: assets)
+    A.save_calibration(assets / "pkg" / "calibration" / "delta.json", model, method="delta",
+                       layers=(2,), curves={}, settings={})
+    A.save_calibration(assets / "another" / "calibration" / "delta.json", other,
+                       method="delta", layers=(3,), curves={}, settings={})
+    gguf = tmp_path / "weights.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert A.fitted_directory(gguf) == tmp_path / "weights.gguf.fitted"
+    assert A.fitted_directory(tmp_path) == tmp_path
+    for source, want in ((gguf, model), (tmp_path, model), (gguf, other)):
+        fitted = M.fitted_beside(source, want)
+        layers = A.load_calibration(fitted.calibration["delta"], "delta")["layers"]
+        assert layers == ([2] if want is model else [3])
+    assert M.fitted_beside(None, model).calibration == {}      # a model made in memory
+    # files beside the model win over the shipped ones, and a stale one is an error
+    A.save_calibration(tmp_path / "calibration" / "delta.json", other, method="delta",
+                       layers=(3,), curves={}, settings={})
+    with pytest.raises(ValueError, match="made for another model"):
+        M.fitted_beside(tmp_path, model)
