@@ -6,6 +6,7 @@ choices against the defaults scaled to the depth.
     python benchmarks/fidelity_real.py --model smollm2 --contexts 2048 4096 --samples 8 \\
         [--ratios 0.1 0.2] [--tasks passkey,niah,multikey,qa] [--methods ...]
     python benchmarks/fidelity_real.py plot          # results/fidelity_real.json -> .png
+    python benchmarks/fidelity_real.py merge A.json B.json   # runs split by method -> --out
 
 Every cell appends to results/fidelity_real.json as it finishes (a rerun skips the cells
 already there), so a long run can be stopped and resumed.
@@ -109,23 +110,26 @@ def _text_until_eos(tokenizer, ids, eos):
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def run_cell(model, tokenizer, samples, prepared, method, eos):
+def run_cell(model, tokenizer, samples, prepared, method, eos, steps):
     """Accuracy, per-sample scores, per-layer recall / oracle recall / error (means over the
-    steps each row generated before EOS, then rows), and the sparse layers' means."""
+    steps each row generated before EOS or its sample's max_new_tokens, then rows), and the
+    sparse layers' means. `steps`: tokens decoded, one number for every task of a context so
+    that each method compiles once per context."""
     from sparsejax import tasks
 
     out, first, lengths = prepared
-    steps = max(s.max_new_tokens for s in samples)
     plan = method.to_plan(model.config) if method is not None else None
     plan = plan or M.Dense().to_plan(model.config)
     tokens, diag = _decode(model, out, first, lengths, plan=plan, steps=steps)
     tokens = np.asarray(tokens)
+    tokens = [row[:s.max_new_tokens] for row, s in zip(tokens, samples)]
     texts = [_text_until_eos(tokenizer, row, eos) for row in tokens]
     scores = [tasks.score(t, s.answers) for t, s in zip(texts, samples)]
     # diagnostics [steps - 1, L, B]: step j made token j + 1; count steps up to each row's EOS
     made = np.asarray([next((i for i, t in enumerate(row) if t in eos), len(row))
                        for row in tokens])
     valid = (np.arange(steps - 1)[:, None] < np.maximum(made - 1, 1)[None, :])[:, None, :]
+    valid = valid.astype(np.float32)
     layer = {k: (np.asarray(v) * valid).sum(0) / valid.sum(0) for k, v in diag.items()}
     layer = {k: v.mean(axis=-1) for k, v in layer.items()}                       # [L]
     sparse = [i for i, r in enumerate(plan.roles) if r.name != "DENSE"]
@@ -170,8 +174,10 @@ def measure(args) -> dict:
     done = {(r["method"], r["budget_ratio"], r["context"], r["task"]) for r in doc["results"]}
     names = [n for n in args.methods.split(",") if n]
     for context in args.contexts:
-        for task in args.tasks.split(","):
-            samples = [tasks.build(task, tokenizer, context, seed) for seed in range(args.samples)]
+        built = {task: [tasks.build(task, tokenizer, context, seed)
+                        for seed in range(args.samples)] for task in args.tasks.split(",")}
+        steps = max(s.max_new_tokens for samples in built.values() for s in samples)
+        for task, samples in built.items():
             todo = [(n, r) for r in args.ratios for n in names
                     if (n, r if n != "dense" else None, context, task) not in done
                     and not (n == "dense" and (n, None, context, task) in done)]
@@ -180,7 +186,7 @@ def measure(args) -> dict:
                 continue
             t0 = time.perf_counter()
             ids, lengths = tasks.prompt_batch(samples, tokenizer.pad_token_id or 0)
-            width = -(-ids.shape[1] // 16) * 16      # one shape per context: one compile
+            width = -(-context // 16) * 16        # one shape per context: one compile
             ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
             out, first = _forward(model, jnp.asarray(ids), jnp.asarray(lengths))
             prepared = (out, first, jnp.asarray(lengths))
@@ -198,7 +204,7 @@ def measure(args) -> dict:
                 method = None if name == "dense" else build_method(
                     name, model.config, tokens, ratio, fitted)
                 t0 = time.perf_counter()
-                cell = run_cell(model, tokenizer, samples, prepared, method, eos)
+                cell = run_cell(model, tokenizer, samples, prepared, method, eos, steps)
                 cell.update(method=name, budget_ratio=ratio, context=context, task=task,
                             seconds=round(time.perf_counter() - t0, 1),
                             mean_prompt_tokens=float(np.mean(lengths)))
@@ -289,7 +295,9 @@ def plot(doc: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot"])
+    p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot", "merge"])
+    p.add_argument("inputs", nargs="*", type=Path, help="merge: result files (a later one's "
+                   "cell replaces an earlier one's)")
     p.add_argument("--model", default="smollm2", help="checkpoint directory, .gguf or name")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2])
@@ -298,8 +306,15 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=DEFAULT_METHODS)
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
-    doc = measure(args) if args.command == "measure" else _load(args.out)
-    if args.command == "plot":
+    if args.command == "merge":
+        docs = [_load(p) for p in args.inputs]
+        cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]): r
+                 for d in docs for r in d["results"]}
+        doc = dict(docs[0], results=list(cells.values()), merged_from=[p.name for p in
+                                                                       args.inputs])
+    else:
+        doc = measure(args) if args.command == "measure" else _load(args.out)
+    if args.command != "measure":
         summarize(doc)
         _save(doc, args.out)
     plot(doc, args.out.with_suffix(".png"))
