@@ -265,7 +265,7 @@ def plot(doc: dict, path: Path) -> None:
     cols = sorted({(r["context"], r["budget_ratio"]) for r in results
                    if r["budget_ratio"] is not None})
     methods = list(dict.fromkeys(r["method"] for r in results if r["method"] != "dense"))
-    fig, axes = figure(2, max(1, len(cols)), figsize=(5 * max(1, len(cols)), 7), squeeze=False)
+    fig, axes = figure(2, max(1, len(cols)), figsize=(5 * max(1, len(cols)), 7))
     for j, (context, ratio) in enumerate(cols):
         rows = [r for r in results if r["context"] == context and r["budget_ratio"] == ratio
                 and dense.get((context, r["task"]), 0) >= DENSE_BAR]

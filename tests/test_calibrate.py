@@ -471,3 +471,24 @@ def test_packaged_model_finds_its_files_by_fingerprint(tmp_path, monkeypatch):
                        layers=(3,), curves={}, settings={})
     with pytest.raises(ValueError, match="made for another model"):
         M.fitted_beside(tmp_path, model)
+
+
+def test_smollm2_ships_its_fitted_files():
+    """The Δ-layers, anchors and gates in models/assets/smollm2/ are SmolLM2's (fingerprint,
+    weights' hash included) and are what `LLM("smollm2", ...)` and `eval --model smollm2` read."""
+    from sparsejax.models.loading import real_model_path
+
+    try:
+        path = real_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    pytest.importorskip("gguf")
+    model = sparsejax.from_pretrained("smollm2", dtype=jnp.float32)
+    for source in ("smollm2", path):
+        fitted = M.fitted_beside(source, model)
+        assert set(fitted.calibration) == {"delta", "kascade"}
+        assert fitted.retrieval_heads is not None and fitted.retrieval_heads.shape == (30, 3)
+        assert fitted.calibration["delta"].parent.parent == A.assets_root() / "smollm2"
+    kascade = M.REGISTRY["kascade"].at_budget(model.config, 205, 0.1, fitted)
+    calib = A.load_calibration(fitted.calibration["kascade"], "kascade", model=model)
+    assert kascade.anchor_layers == tuple(calib["layers"])
