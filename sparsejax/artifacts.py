@@ -377,3 +377,71 @@ def latest_checkpoint_record(directory) -> dict | None:
 def _from_checkpoint(directory: Path) -> dict | None:
     meta = latest_checkpoint_record(directory)
     return None if meta is None else meta["gates"]
+
+
+# ---- where fitted files live ----------------------------------------------------------------
+CALIBRATION_DIR = "calibration"    # <home>/calibration/<method>.json
+GATES_DIR = "gates"                # <home>/gates/*.json (the first by name)
+# Models that ship by package (a GGUF inside a pip package) have no writable directory of their
+# own: their fitted files ship in this repository under models/assets/<name>/, and are found by
+# the fingerprint inside them, whatever path or name the model was loaded from.
+_PACKAGED = ("smollm2",)          # models.loading.REAL_MODEL
+
+
+def assets_root() -> Path:
+    from sparsejax import models
+
+    return Path(models.__file__).resolve().parent / "assets"
+
+
+def fitted_directory(source) -> Path:
+    """The directory whose calibration/ and gates/ hold the files fitted to the model loaded
+    from `source`: a checkpoint directory itself; a packaged model's name (or its file) ->
+    models/assets/<name>/; any other model file (a .gguf) -> <file>.fitted/ beside it."""
+    text = str(source)
+    if text in _PACKAGED:
+        return assets_root() / text
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.is_file():
+        for name in _PACKAGED:
+            if _packaged_file(name) == path.resolve():
+                return assets_root() / name
+        return path.with_name(path.name + ".fitted")
+    raise ValueError(f"model {text!r}: expected a checkpoint directory, a model file or one of "
+                     f"{_PACKAGED}")
+
+
+def _packaged_file(name: str) -> Path | None:
+    from sparsejax.models.loading import REAL_MODEL, real_model_path
+
+    try:
+        return Path(real_model_path()).resolve() if name == REAL_MODEL else None
+    except ValueError:   # the package is not installed
+        return None
+
+
+def fitted_files(home, model) -> tuple[dict[str, Path], list[Path]]:
+    """({"delta"/"kascade": calibration file}, [gate files, by name]) under `home`, not read."""
+    home = Path(home)
+    calibration = {kind: home / CALIBRATION_DIR / f"{kind}.json" for kind in CALIBRATED_METHODS}
+    return ({k: p for k, p in calibration.items() if p.is_file()},
+            sorted((home / GATES_DIR).glob("*.json")))
+
+
+def shipped_for(model) -> Path | None:
+    """The models/assets/<name>/ directory whose files carry exactly `model`'s fingerprint
+    (weights' hash included), or None: how a packaged model finds what was fitted to it."""
+    want = fingerprint(model)
+    for home in sorted(p for p in assets_root().iterdir() if p.is_dir()):
+        calibration, gates = fitted_files(home, model)
+        for path in [*calibration.values(), *gates]:
+            try:
+                doc = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            found = Fingerprint.from_json(doc.get("model", doc.get("fingerprint")))
+            if found is not None and found.params_hash is not None and found == want:
+                return home
+    return None

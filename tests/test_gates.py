@@ -18,7 +18,8 @@ from sparsejax import artifacts
 from sparsejax import methods as M
 from sparsejax.models import (ModelConfig, attention_inputs, embed, finish_layer, forward,
                               init_params)
-from sparsejax.train import gates, hardkuma
+from sparsejax import hardkuma
+from sparsejax.train import gates
 from sparsejax.train.passkey import GateBatch, PasskeyData
 from sparsejax.train.tokenizer import default_vocab, save_tokenizer
 
@@ -369,3 +370,26 @@ def test_cli(model, tmp_path):
     heads = artifacts.load_retrieval_heads(tmp_path / "out")
     assert heads.shape == (CFG.num_layers, CFG.num_kv_heads) and heads[0].all()
     assert json.loads((tmp_path / "out" / "gates.json").read_text())["step"] == 2
+
+
+def test_off_target_runs_are_named():
+    assert gates.off_target(8, 8, 2.0, 1.0) == []
+    assert gates.off_target(8, 10, 2.0, 1.0) == []          # within 25%
+    (heads,) = gates.off_target(2, 6, 2.0, 1.0)             # the run the defaults once gave
+    assert heads.startswith("WARNING: 6 retrieval heads, asked for 2")
+    (loss,) = gates.off_target(2, 2, 1.0, 1.5)
+    assert "loss ended at 1.5, not below its first step's 1" in loss
+
+
+def test_defaults_fit_the_model(tokenizer):
+    tok = tokenizer
+    config = dataclasses.replace(CFG, num_layers=30, num_heads=9, num_kv_heads=3)
+    assert gates.default_target_heads(config) == round(0.125 * 29 * 3) == 11
+    assert gates.default_target_heads(CFG) == 1
+    # needles fill at most half the prompt: a 32-word passkey is ~36 word tokens here
+    one = PasskeyData(tok, min_length=10 ** 6, max_length=10 ** 6, num_passkeys=1)
+    needle = one._bound("needle", "key", "answer")
+    for length in (200, 400, 4096):
+        n = gates.passkeys_that_fit(tok, length)
+        assert n == max(1, min(10, (length // 2 - one._ids["prefix"].size) // needle))
+        PasskeyData(tok, min_length=length, max_length=length, num_passkeys=n)  # fits

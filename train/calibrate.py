@@ -11,6 +11,8 @@ The choice is kept in a calibration file (`sparsejax.artifacts.save_calibration`
 the model it was made for; `methods.DELTA/Kascade.from_calibration` read it.
 `sparsejax calibrate` runs the whole job from the command line:
 
+    sparsejax calibrate --model DIR --text book.txt notes.jsonl --samples 8 --context 2048
+        (both methods from one decoding pass; DIR/calibration/{delta,kascade}.json)
     sparsejax calibrate --method kascade --task niah,vt --samples 16 --context 2048 \
         --decode-steps 16 --anchors 5 --out kascade.json --plot plots/
 """
@@ -382,25 +384,85 @@ def plot_layer_similarity(layer_sim, importance, anchors, path, *, title: str = 
 
 
 # ---- command line ---------------------------------------------------------------------------
+CALIBRATION_DIR = "calibration"   # <model dir>/calibration/<method>.json: `methods.fitted_beside`
+
+
+def _both_measure(model, cache, diag, k):
+    """DELTA's shift and Kascade's similarity and importance from one decode step."""
+    return (_shift_measure(model, cache, diag),) + _similarity_measure(model, cache, diag, k)
+
+
+def calibrate_both(model: Model, prompts, *, k: int = 64, decode_steps: int, lengths=None,
+                   batch_size: int = 8, progress: bool = True, mesh=None):
+    """`attention_shift` and `kascade_similarity` from one dense decoding of `prompts`
+    -> (shift [L-1], sim [L, L, HK, HK], importance [L]), each as the two functions give it."""
+    shifts, sims, importances = [], [], []
+    for shift, sim, importance in _measure_decoding(
+            model, prompts, lengths, decode_steps=decode_steps, batch_size=batch_size,
+            measure=_both_measure, options=(int(k),), progress=progress,
+            desc="calibration", mesh=mesh):
+        shifts.append(shift.mean(axis=0))
+        sims.append(sim.min(axis=0))
+        importances.append(importance.mean(axis=0))
+    sim = np.concatenate(sims).mean(axis=0).astype(np.float64)
+    L = sim.shape[0]
+    sim[np.tril(np.ones((L, L), bool), -1)] = np.nan
+    return (np.concatenate(shifts).mean(axis=0).astype(np.float64), sim,
+            np.concatenate(importances).mean(axis=0).astype(np.float64))
+
+
+def calibration_path(out, method: str, methods) -> Path:
+    """Where `--out` puts `method`'s file: OUT itself when it names a .json file (one method
+    only), else OUT/calibration/<method>.json, the layout `methods.fitted_beside` reads."""
+    out = Path(out)
+    if out.suffix == ".json":
+        if len(methods) > 1:
+            raise ValueError(f"--out {out} names one file; calibrating {', '.join(methods)} "
+                             "writes one per method: give a directory (or --method)")
+        return out
+    return out / CALIBRATION_DIR / f"{method}.json"
+
+
+def check_output(path, flag: str, *, makes_directory: bool) -> Path:
+    """A .json file given outright must go in an existing directory; a file in a directory the
+    job makes (calibration/, gates/, a new --out DIR) needs only a writable ancestor."""
+    path = Path(path)
+    if not makes_directory or path.parent.is_dir():
+        return check_writable(path, flag)
+    check_writable(path.parent, flag, directory=True)
+    return path
+
+
 def add_parser(sub) -> None:
     from sparsejax.arguments import positive_int
     from sparsejax.train.data import TASKS
 
-    p = sub.add_parser("calibrate", help="DELTA layer-shift probe / Kascade anchor DP",
-                       description="Calibrate DELTA's Δ-layers or Kascade's anchor layers and "
-                       "head map for a model; writes a calibration JSON (--out) for "
-                       "methods.DELTA/Kascade.from_calibration and `--calibration`.")
+    p = sub.add_parser(
+        "calibrate", help="DELTA layer-shift probe / Kascade anchor DP",
+        description="Calibrate DELTA's Δ-layers and Kascade's anchor layers and head map for a "
+        "model, on your own text (--text) or the synthetic tasks (--task, the shipped model's "
+        "vocabulary only). Writes calibration/<method>.json beside the model (or under --out), "
+        "where `generate`, `eval` and `LLM` read it.",
+        epilog="--text: a .jsonl file holds one document per line (its \"text\" field); any "
+        "other file is one document (blank lines do not split it). Documents are cut into "
+        "windows of --context tokens, round-robin over the documents.")
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: the embedded model)")
-    p.add_argument("--method", required=True, choices=CALIBRATED_METHODS, help="what to calibrate")
+    p.add_argument("--method", default="all", choices=CALIBRATED_METHODS + ("all",),
+                   help="what to calibrate (all: both, from one decoding pass)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompts", default=None, help="text file, one prompt per line, "
-                        "tokenized with the model's tokenizer (default: --task)")
+    source.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                        help="documents (.txt: one per file; .jsonl: a \"text\" field per line) "
+                        "cut into --context-token windows")
+    source.add_argument("--prompts", default=None, help="text file, ONE PROMPT PER LINE, "
+                        "tokenized with the model's tokenizer (for documents use --text)")
     source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
-                        f"tasks, in turn (default: all of {','.join(TASKS)})")
-    p.add_argument("--samples", type=positive_int, default=16, help="prompts (the first N "
-                   "lines of --prompts)")
-    p.add_argument("--context", type=positive_int, default=2048, help="prompt tokens: exact for "
-                   "--task, at most for --prompts (longer lines keep their first N tokens)")
+                        f"tasks, in turn (default without --text/--prompts: all of "
+                        f"{','.join(TASKS)}; the shipped model's vocabulary only)")
+    p.add_argument("--samples", type=positive_int, default=16, help="prompts (windows of "
+                   "--text, the first N lines of --prompts)")
+    p.add_argument("--context", type=positive_int, default=None, help="prompt tokens: the "
+                   "window of --text, exact for --task, at most for --prompts (default: 2048, "
+                   "or less to fit the model's context with the decode steps)")
     p.add_argument("--decode-steps", type=positive_int, default=16,
                    help="measured decode steps per prompt")
     p.add_argument("--count", type=int, default=None, help="delta: Δ-layers (default 3, the "
@@ -413,31 +475,51 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor parallel over this many devices (README: Several GPUs)")
-    p.add_argument("--out", required=True, help="calibration JSON to write")
+    p.add_argument("--out", default=None, help="a directory (gets calibration/<method>.json, "
+                   "as beside a model) or, with one --method, a .json file (default: beside "
+                   "the model, where generate/eval/LLM find it)")
     p.add_argument("--plot", default=None, help="directory for the PNGs (default: none)")
     p.set_defaults(func=run)
 
 
-def _cli_prompts(args, tokenizer):
-    """-> (ids [N, T], lengths [N], description of the source)."""
-    from sparsejax.train import data
+def default_context(config, decode_steps: int, wanted: int | None = None) -> int:
+    """--context: `wanted`, or 2048 capped so that prompt + decode steps fit the model."""
+    room = config.max_position_embeddings - decode_steps
+    if wanted is not None:
+        config.check_context(wanted + decode_steps)
+        return wanted
+    if room < 2:
+        raise ValueError(f"--decode-steps {decode_steps} leaves no room for a prompt in the "
+                         f"model's {config.max_position_embeddings}-token context")
+    return min(2048, room)
 
-    if args.samples < 1 or args.context < 1:
-        raise ValueError(f"--samples {args.samples} --context {args.context}: expected >= 1")
+
+def _cli_prompts(args, tokenizer, context, texts=None):
+    """-> (ids [N, T], lengths [N], description of the source); `texts`: --text's documents."""
+    from sparsejax.train import data, documents
+
+    if args.text:
+        ids, lengths = documents.token_windows(texts, tokenizer, context, args.samples)
+        return ids, lengths, documents.describe(args.text)
     if args.prompts:
         lines = [s for s in read_text(args.prompts, "--prompts").splitlines() if s.strip()]
         if not lines:
             raise ValueError(f"--prompts {args.prompts}: no non-empty lines")
-        rows = [tokenizer(s)["input_ids"][:args.context] for s in lines[:args.samples]]
+        rows = [tokenizer(s)["input_ids"][:context] for s in lines[:args.samples]]
         lengths = np.asarray([len(r) for r in rows], np.int32)
         ids = np.full((len(rows), lengths.max()), tokenizer.pad_token_id or 0, np.int32)
         for i, r in enumerate(rows):
             ids[i, :len(r)] = r
-        return ids, lengths, f"file {args.prompts}"
+        return ids, lengths, f"file {args.prompts} (one prompt per line)"
     tasks = [t.strip() for t in (args.task or ",".join(data.TASKS)).split(",") if t.strip()]
     vocab = tokenizer.get_vocab()
-    samples = [data.make_sample(tasks[i % len(tasks)], args.context, args.seed, i // len(tasks),
-                                vocab) for i in range(args.samples)]
+    try:
+        samples = [data.make_sample(tasks[i % len(tasks)], context, args.seed, i // len(tasks),
+                                    vocab) for i in range(args.samples)]
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"--task {','.join(tasks)}: the synthetic tasks need the shipped "
+                         f"model's word vocabulary ({e}); calibrate this model on your own "
+                         "documents with --text FILE...") from None
     ids, lengths = data.prompt_batch(samples)
     return ids, lengths, f"synthetic tasks {','.join(tasks)} (seed {args.seed})"
 
@@ -458,60 +540,93 @@ def _check_counts(args, num_layers: int, shortest_prompt: int) -> None:
                          f"expected a top-k of at most {shortest_prompt}")
 
 
+def _model_location(args):
+    """(checkpoint to load, directory its fitted files go in by default)."""
+    import sparsejax
+
+    if args.model is None:
+        path = sparsejax.embedded_model_path()
+        return path, path
+    return args.model, sparsejax.artifacts.fitted_directory(args.model)
+
+
 def run(args) -> int:
     import sparsejax
 
-    check_writable(args.out, "--out")
+    source, home = _model_location(args)
+    methods = CALIBRATED_METHODS if args.method == "all" else (args.method,)
+    out = Path(args.out) if args.out else Path(home)
+    paths = {m: calibration_path(out, m, methods) for m in methods}
+    for path in paths.values():
+        check_output(path, "--out", makes_directory=out.suffix != ".json")
     if args.plot:
         check_writable(args.plot, "--plot", directory=True)
-    model_dir = Path(args.model) if args.model else sparsejax.embedded_model_path()
-    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
+    from sparsejax.train.documents import read_documents
+
+    texts = read_documents(args.text) if args.text else None    # before the model loads
+    model = sparsejax.from_pretrained(source, dtype=jnp.float32 if args.dtype == "f32"
                                       else jnp.bfloat16)
-    ids, lengths, source = _cli_prompts(args, sparsejax.load_tokenizer(model_dir))
-    L = model.config.num_layers
+    c = model.config
+    context = default_context(c, args.decode_steps, args.context)
+    ids, lengths, described = _cli_prompts(args, sparsejax.load_tokenizer(source), context,
+                                           texts)
+    L = c.num_layers
     _check_counts(args, L, int(lengths.min()))
     settings = {"decode_steps": args.decode_steps, "samples": int(ids.shape[0]),
-                "context": int(lengths.max()), "prompts": source, "dtype": args.dtype,
-                "model_dir": str(model_dir)}
+                "context": int(lengths.max()), "prompts": described, "dtype": args.dtype,
+                "model_dir": str(source)}
+    print(f"sparsejax calibrate {'/'.join(methods)}: {ids.shape[0]} prompts of "
+          f"{int(lengths.min())}-{int(lengths.max())} tokens from {described}, "
+          f"{args.decode_steps} decode steps; {jax.default_backend()}", flush=True)
     measure = dict(lengths=lengths, decode_steps=args.decode_steps, batch_size=args.batch,
                    mesh=sharding.tensor_parallel_mesh(args.tp))
-    out, plot = Path(args.out), Path(args.plot) if args.plot else None
+    plot = Path(args.plot) if args.plot else None
     if plot:
         plot.mkdir(parents=True, exist_ok=True)
-    if args.method == "delta":
-        dense_layers = (0, 1)
-        count = args.count if args.count is not None else max(1, min(3, L - 2))
+    name = Path(str(source)).name
+    if len(methods) == 2:
+        shift, sim, importance = calibrate_both(model, ids, k=args.k, **measure)
+    elif methods == ("delta",):
         shift = attention_shift(model, ids, **measure)
+    else:
+        sim, importance = kascade_similarity(model, ids, k=args.k, **measure)
+    if "delta" in methods:
+        dense_layers = (0, 1) if L > 2 else ()
+        count = args.count if args.count is not None else max(1, min(3, L - len(dense_layers)
+                                                                      - 1))
         layers = suggest_delta_layers(shift, count, dense_layers)
-        settings.update(count=count, dense_layers=list(dense_layers))
-        save_calibration(out, model, method="delta", layers=layers, curves={"shift": shift},
-                         settings=settings)
+        save_calibration(paths["delta"], model, method="delta", layers=layers,
+                         curves={"shift": shift},
+                         settings={**settings, "count": count, "dense_layers": list(dense_layers)})
         print(f"shift: {np.round(shift, 4).tolist()}\nΔ-layers: {layers}")
+        print(f"wrote {paths['delta']}")
         if plot:
             plot_shift(shift, layers, plot / "delta_shift.png", dense_layers=dense_layers,
-                       title=f"{model_dir.name}: DELTA layer shift")
-    else:
+                       title=f"{name}: DELTA layer shift")
+    if "kascade" in methods:
         anchors = args.anchors if args.anchors is not None else min(5, L)
-        sim, importance = kascade_similarity(model, ids, k=args.k, **measure)
         layer_sim = layer_similarity(sim, importance)
         layers = select_anchor_layers(layer_sim, anchors)
         head_map = head_mapping(sim, layers)
-        settings.update(k=args.k, anchors=anchors)
-        save_calibration(out, model, method="kascade", layers=layers, head_map=head_map,
+        save_calibration(paths["kascade"], model, method="kascade", layers=layers,
+                         head_map=head_map,
                          curves={"layer_similarity": layer_sim, "importance": importance},
-                         settings=settings)
+                         settings={**settings, "k": args.k, "anchors": anchors})
         print(f"importance: {np.round(importance, 4).tolist()}\nanchor layers: {layers}\n"
               f"head map: {head_map.tolist()}")
+        print(f"wrote {paths['kascade']}")
         if plot:
             plot_layer_similarity(layer_sim, importance, layers,
                                   plot / "kascade_layer_similarity.png",
-                                  title=f"{model_dir.name}: Kascade anchors {layers}")
-    log.info(f"wrote {out}" + (f" and PNGs in {plot}" if plot else ""))
+                                  title=f"{name}: Kascade anchors {layers}")
+    if plot:
+        log.info(f"wrote PNGs in {plot}")
     return 0
 
 
 __all__ = [
-    "add_parser", "anchor_of", "attention_shift", "head_mapping", "kascade_similarity",
+    "CALIBRATION_DIR", "add_parser", "anchor_of", "attention_shift", "calibrate_both",
+    "calibration_path", "default_context", "head_mapping", "kascade_similarity",
     "layer_similarity", "plot_layer_similarity", "plot_shift", "select_anchor_layers",
     "suggest_delta_layers",
 ]

@@ -2,8 +2,10 @@
 and the gate files `methods.Lychee(gates=PATH)` reads (`save_gates`). The algorithm and its
 settings: docs/training.md.
 
-    sparsejax train-gates --model DIR --target-heads N --steps S --out DIR [--data FILE]
-        [--budget-ratio R] [--loss logits|hidden] [--checkpoint-dir DIR] [--seed S]
+    sparsejax train-gates --model DIR --text book.txt more.jsonl [--target-heads N] [--steps S]
+        [--context T] [--out DIR] [--budget-ratio R] [--loss logits|hidden]
+        [--checkpoint-dir DIR] [--seed S]
+    (defaults that fit the model; the gates go to DIR/gates/gates.json)
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 import optax
 
 from sparsejax import artifacts, hardkuma, selection, sharding
+from sparsejax.files import check_writable
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
                               stack_layers, unembed)
@@ -388,32 +391,84 @@ def save_gates(state: GateState, path: str | Path) -> Path:
 
 
 # ---- command line ---------------------------------------------------------------------------
+DEFAULT_HEAD_SHARE = 0.125   # LycheeDecode's 32 of 256 KV heads (Llama-3-8B, matching TidalDecode)
+DEFAULT_CONTEXT = 2048
+
+
+def default_target_heads(config: ModelConfig) -> int:
+    """An eighth of the gated KV heads (layers 1..L-1), at least 1: the paper's share."""
+    return max(1, round(DEFAULT_HEAD_SHARE * (config.num_layers - 1) * config.num_kv_heads))
+
+
+def passkeys_that_fit(tokenizer, length: int, wanted: int = 10, words: int = 32) -> int:
+    """The most passkeys (up to `wanted`) whose needles fill at most half of a `length`-token
+    prompt, so the filler around them stays the larger part; at least 1."""
+    one = PasskeyData(tokenizer, min_length=10 ** 6, max_length=10 ** 6, num_passkeys=1,
+                      passkey_words=words)
+    needle = one._bound("needle", "key", "answer")
+    return max(1, min(wanted, (length // 2 - one._ids["prefix"].size) // needle))
+
+
+def off_target(target: float, heads: int, first_loss: float, last_loss: float) -> list[str]:
+    """Warnings for a run that ended away from what it was asked: retrieval heads more than
+    max(1, 25%) off the target, or a distillation loss that did not fall below its first step's."""
+    out = []
+    if abs(heads - target) > max(1.0, 0.25 * target):
+        out.append(f"WARNING: {heads} retrieval heads, asked for {target:g}: the head budget's "
+                   "multiplier had too few steps to settle (more --steps, or a larger "
+                   "--lambda-lr)")
+    if not last_loss < first_loss:
+        out.append(f"WARNING: the distillation loss ended at {last_loss:.4g}, not below its "
+                   f"first step's {first_loss:.4g}: the gates did not learn (more --steps, or "
+                   "another --lr)")
+    return out
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     from sparsejax.arguments import positive_int, ratio
 
-    p = subparsers.add_parser("train-gates", help="train LycheeDecode's HardKuma head gates",
-                              description="Train LycheeDecode's retrieval-head gates for a model "
-                              "and write gates.json (methods.Lychee(gates=...), generate --gates).",
-                              epilog="How the gates are trained: docs/training.md")
-    p.add_argument("--model", required=True, help="HF checkpoint directory (with its tokenizer)")
-    p.add_argument("--target-heads", type=float, required=True,
-                   help="retrieval heads wanted among the KV heads of layers 1..L-1")
+    p = subparsers.add_parser(
+        "train-gates", help="train LycheeDecode's HardKuma head gates",
+        description="Train LycheeDecode's retrieval-head gates for a model: passkeys hidden in "
+        "your documents (--text; the paper's BookSum setup) or in built-in filler, distilled "
+        "against the dense model. Writes gates/gates.json beside the model (or under --out), "
+        "where `generate`, `eval` and `LLM` read it.",
+        epilog="--text: a .jsonl file holds one document per line (its \"text\" field); any "
+        "other file is one document. How the gates are trained: docs/training.md")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory with its tokenizer (default: the embedded model)")
+    p.add_argument("--target-heads", type=float, default=None,
+                   help="retrieval heads wanted among the KV heads of layers 1..L-1 (default: "
+                   "an eighth of them, the paper's share)")
     p.add_argument("--steps", type=positive_int, default=3000, help="training steps")
-    p.add_argument("--out", required=True, help="directory for gates.json")
-    p.add_argument("--data", default=None, help="filler text file (default: built-in filler)")
+    p.add_argument("--out", default=None, help="directory for gates.json, or a .json file "
+                   "(default: the model's gates/ directory, where generate/eval/LLM find it)")
+    filler = p.add_mutually_exclusive_group()
+    filler.add_argument("--text", nargs="+", default=None, metavar="FILE",
+                        help="documents the passkeys are hidden in (.txt: one per file; "
+                        ".jsonl: a \"text\" field per line) (default: built-in filler)")
+    filler.add_argument("--data", default=None, help="one filler text file (as --text FILE)")
+    p.add_argument("--context", type=positive_int, default=None,
+                   help=f"prompt tokens (default: {DEFAULT_CONTEXT}, or less to fit the model's "
+                   "context with the targets); --min-length/--max-length give a range instead")
+    p.add_argument("--passkeys", type=positive_int, default=None,
+                   help="passkeys per prompt (default: 10, the paper's, or as many as fill half "
+                   "the prompt)")
     p.add_argument("--budget-ratio", type=ratio, default=0.3,
                    help="sparse heads' token budget as a share of the context")
-    p.add_argument("--sinks", type=int, default=128, help="always-kept first tokens")
-    p.add_argument("--recent", type=int, default=256, help="always-kept most recent tokens")
+    p.add_argument("--sinks", type=int, default=None, help="always-kept first tokens "
+                   "(default: 128, at most an eighth of the budget)")
+    p.add_argument("--recent", type=int, default=None, help="always-kept most recent tokens "
+                   "(default: 256, at most a quarter of the budget)")
     p.add_argument("--loss", choices=LOSSES, default="logits",
                    help="distil the dense model's logits or last hidden states")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate of the gates")
     p.add_argument("--lambda-lr", type=float, default=0.02,
                    help="learning rate of the Lagrange multiplier of the head budget")
-    p.add_argument("--min-length", type=positive_int, default=1024,
-                   help="shortest prompt (tokens)")
+    p.add_argument("--min-length", type=positive_int, default=None,
+                   help="shortest prompt (tokens; default: --context)")
     p.add_argument("--max-length", type=positive_int, default=None,
-                   help="longest prompt (default: the model's context minus the targets)")
+                   help="longest prompt (default: --min-length)")
     p.add_argument("--checkpoint-dir", default=None,
                    help="Orbax checkpoints; a run resumes from the newest intact one there "
                    "(default: none)")
@@ -426,44 +481,101 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _lengths(args, config, tokenizer, filler):
+    """PasskeyData that fits the model: --min/--max-length or --context as given (an error
+    when prompt + targets exceed the model's context), else the longest prompt up to 2048 tokens
+    that leaves room for the targets; as many passkeys as fill half of it unless --passkeys."""
+    def data(lo, hi, count):
+        return PasskeyData(tokenizer, min_length=lo, max_length=hi, num_passkeys=count,
+                           filler=filler, seed=args.seed)
+
+    given = args.min_length or args.context or args.max_length
+    if given:
+        lo = args.min_length or args.context or args.max_length
+        hi = args.max_length or lo
+        if lo > hi:
+            raise ValueError(f"--min-length {lo} > --max-length {hi}")
+        out = data(lo, hi, args.passkeys or passkeys_that_fit(tokenizer, lo))
+        room = config.max_position_embeddings - out.target_width
+        if hi > room:
+            raise ValueError(f"prompts of up to {hi} tokens and {out.target_width} target tokens "
+                             f"exceed the model's {config.max_position_embeddings}-token context: "
+                             f"give --context {max(room, 0)} or less, or fewer --passkeys")
+        return out
+    longest = min(DEFAULT_CONTEXT, config.max_position_embeddings)
+    count = args.passkeys or passkeys_that_fit(tokenizer, longest)
+    for n in range(count, 0, -1):       # fewer passkeys: fewer targets, a longer prompt
+        width = data(10 ** 6, 10 ** 6, n).target_width
+        length = min(longest, config.max_position_embeddings - width)
+        if length > 0 and (args.passkeys or passkeys_that_fit(tokenizer, length) >= n):
+            try:
+                return data(length, length, n)
+            except ValueError:
+                continue
+    raise ValueError(f"the model's {config.max_position_embeddings}-token context holds no "
+                     "prompt with a passkey and its targets: train its gates elsewhere")
+
+
+def gates_path(out) -> Path:
+    out = Path(out)
+    return out if out.suffix == ".json" else out / artifacts.GATES_FILE
+
+
 def run(args) -> int:
     import sparsejax
-    from sparsejax.files import check_writable, read_text
+    from sparsejax.files import read_text
     from .pretrain import compute_dtype
 
-    check_writable(args.out, "--out", directory=True)       # before the training, not after
-    if Path(args.out).is_dir():
-        check_writable(Path(args.out) / artifacts.GATES_FILE, "--out")
+    if args.model is None:
+        source = home = sparsejax.embedded_model_path()
+    else:
+        source, home = args.model, artifacts.fitted_directory(args.model)
+    path = gates_path(args.out if args.out else Path(home) / artifacts.GATES_DIR)
+    from .calibrate import check_output
+
+    check_output(path, "--out", makes_directory=not (args.out and Path(args.out).suffix
+                                                     == ".json"))
     if args.data is not None:
         read_text(args.data, "--data")
-    model = sparsejax.from_pretrained(args.model, dtype=compute_dtype())
-    tokenizer = sparsejax.load_tokenizer(args.model)
-    data = PasskeyData(tokenizer, min_length=args.min_length,
-                       max_length=(args.min_length if args.max_length is None
-                                   else args.max_length), filler=args.data,
-                       seed=args.seed)
-    if args.max_length is None:
-        longest = model.config.max_position_embeddings - data.target_width
-        if longest < args.min_length:
-            raise ValueError(f"--min-length {args.min_length} leaves no room for the "
-                             f"{data.target_width} target tokens in the model's "
-                             f"{model.config.max_position_embeddings}-token context")
-        data = dataclasses.replace(data, max_length=longest)
+    if args.text:
+        from .documents import read_documents
+
+        read_documents(args.text)          # a missing or empty file fails before the model loads
+    model = sparsejax.from_pretrained(source, dtype=compute_dtype())
+    tokenizer = sparsejax.load_tokenizer(source)
     c = model.config
+    gated = (c.num_layers - 1) * c.num_kv_heads
+    target = default_target_heads(c) if args.target_heads is None else args.target_heads
+    if not 0 <= target <= gated:
+        raise ValueError(f"--target-heads {target:g}: expected 0..{gated} (the KV heads of "
+                         f"layers 1..{c.num_layers - 1}; default {default_target_heads(c)})")
+    data = _lengths(args, c, tokenizer, tuple(args.text) if args.text else args.data)
+    budget = max(1, math.ceil(args.budget_ratio * data.min_length))
+    sinks = min(128, budget // 8) if args.sinks is None else args.sinks
+    recent = min(256, budget // 4) if args.recent is None else args.recent
     print(f"sparsejax train-gates: {c.num_layers} layers x {c.num_kv_heads} KV heads, target "
-          f"{args.target_heads:g} retrieval heads; prompts {data.min_length}-{data.max_length} "
-          f"tokens + {data.target_width} target tokens; {jax.default_backend()}", flush=True)
-    state = train_gates(model, data, target_retrieval_heads=args.target_heads, steps=args.steps,
+          f"{target:g} retrieval heads; {data.num_passkeys} passkeys in "
+          f"{data.describe()['filler']} prompts of {data.min_length}-{data.max_length} tokens + "
+          f"{data.target_width} target tokens; budget {args.budget_ratio:g} (sinks {sinks}, "
+          f"recent {recent}); {args.steps} steps; {jax.default_backend()}", flush=True)
+    losses = []
+    state = train_gates(model, data, target_retrieval_heads=target, steps=args.steps,
                         lr=args.lr, lambda_lr=args.lambda_lr, budget=Ratio(args.budget_ratio),
-                        sinks=args.sinks, recent=args.recent, loss=args.loss, seed=args.seed,
+                        sinks=sinks, recent=recent, loss=args.loss, seed=args.seed,
                         checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every,
+                        callback=lambda step, m: losses.append(m["loss"]),
                         mesh=sharding.tensor_parallel_mesh(args.tp))
-    path = save_gates(state, Path(args.out) / artifacts.GATES_FILE)
+    path = save_gates(state, path)
     heads = state.retrieval_heads()
     print(f"E[L0] = {state.expected_l0():.2f}, lambda = {float(state.lam):.4g}; "
           f"{int(heads[1:].sum())} retrieval heads in layers 1..{c.num_layers - 1}:")
     for layer, row in enumerate(heads):
         print(f"  layer {layer:3d}  " + " ".join("R" if r else "." for r in row))
+    if losses:
+        tail = max(1, len(losses) // 10)
+        for line in off_target(target, int(heads[1:].sum()), float(np.mean(losses[:tail])),
+                               float(np.mean(losses[-tail:]))):
+            print(line, file=sys.stderr)
     print(f"wrote {path}")
     return 0

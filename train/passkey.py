@@ -58,7 +58,7 @@ class PasskeyData:
     batch_size: int = 1
     num_passkeys: int = 10
     passkey_words: int = 32
-    filler: str | Path | None = None
+    filler: str | Path | tuple | None = None   # a text file, or files read as documents
     seed: int = 0
     _ids: dict = dataclasses.field(init=False, repr=False)
 
@@ -83,8 +83,7 @@ class PasskeyData:
             ids["filler_words"] = _encode(self.tokenizer, words)
             ids["period"] = ids["end"]
         else:
-            text = Path(self.filler).read_text()
-            ids["haystack"] = _encode(self.tokenizer, [text])[0]
+            ids["haystack"] = np.concatenate(_encode(self.tokenizer, self._filler_texts()))
             if ids["haystack"].size == 0:
                 raise ValueError(f"filler={str(self.filler)!r} holds no tokens")
         object.__setattr__(self, "_ids", ids)
@@ -94,6 +93,16 @@ class PasskeyData:
             raise ValueError(
                 f"min_length={self.min_length} cannot hold {self.num_passkeys} passkeys of "
                 f"{self.passkey_words} words: expected more than {longest_prompt_part} tokens")
+
+    def _filler_paths(self) -> list:
+        return [self.filler] if isinstance(self.filler, (str, Path)) else list(self.filler)
+
+    def _filler_texts(self) -> list[str]:
+        """The filler's documents (`train.documents.read_documents`; a single path keeps its
+        whole text as one document), in order: the haystack is their tokens end to end."""
+        from .documents import read_documents
+
+        return read_documents(self._filler_paths())
 
     # ---- static shapes ------------------------------------------------------------------------
     def _bound(self, *parts) -> int:
@@ -120,8 +129,8 @@ class PasskeyData:
         vocab = sorted(self.tokenizer.get_vocab().items())
         filler = "builtin"
         if self.filler is not None:
-            digest = hashlib.sha256(Path(self.filler).read_bytes()).hexdigest()[:16]
-            filler = f"{Path(self.filler).name}:{digest}"
+            digest = hashlib.sha256("\0".join(self._filler_texts()).encode()).hexdigest()[:16]
+            filler = f"{','.join(Path(f).name for f in self._filler_paths())}:{digest}"
         return {"kind": "passkey", "min_length": int(self.min_length),
                 "max_length": int(self.max_length), "batch_size": int(self.batch_size),
                 "num_passkeys": int(self.num_passkeys), "passkey_words": int(self.passkey_words),
