@@ -24,7 +24,6 @@ is >= 0.75; RESA cutting each base method's attention-output error by >= 50%.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 import sparsejax  # noqa: E402
-from sparsejax import cache as kv, methods, sharding  # noqa: E402
+from sparsejax import methods, sharding  # noqa: E402
 from sparsejax.models import ModelConfig, init_params, unstack_layers  # noqa: E402
 from sparsejax.plan import as_plan  # noqa: E402
 

@@ -2,7 +2,6 @@
 GGUF (`sparsejax.real_model_path()`, the name "smollm2"): logits against transformers' own
 GGUF loading, a chat answer, and a long-context retrieval where a sparse method at a budget of
 the whole context decodes dense's tokens. Skipped when the package is not installed."""
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

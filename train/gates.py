@@ -25,7 +25,6 @@ import numpy as np
 import optax
 
 from sparsejax import artifacts, hardkuma, selection, sharding
-from sparsejax.files import check_writable
 from sparsejax.methods import Lychee, Ratio
 from sparsejax.models import (Model, ModelConfig, attention_inputs, embed, finish_layer, forward,
                               stack_layers, unembed)
