@@ -25,19 +25,27 @@ def _is_job(name: str) -> bool:
     return any(name == job or name.startswith(job + ".") for job in JOBS)
 
 
-def _imports(path: Path, package: str) -> set[str]:
-    """Every module `path` imports, at any depth of its code, as absolute names."""
-    names = set()
+def _import_statements(path: Path, package: str):
+    """(module, names imported from it or None) for every import in `path`, at any depth of
+    its code, relative imports made absolute from `package`."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
+            for a in node.names:
+                yield a.name, None
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{parent}.{base}" if base else parent
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)
+            yield base, [a.name for a in node.names]
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every module `path` imports, at any depth of its code, as absolute names."""
+    names = set()
+    for base, imported in _import_statements(path, package):
+        names.add(base)
+        names.update(f"{base}.{n}" for n in imported or ())
     return names
 
 
@@ -115,16 +123,11 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, (path, package) in modules.items():
         edges = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    base = f"{parent}.{base}" if base else parent
-                for a in node.names:
-                    edges.add(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base)
+        for base, imported in _import_statements(path, package):
+            if imported is None:
+                edges.add(base)
+            for n in imported or ():
+                edges.add(f"{base}.{n}" if f"{base}.{n}" in modules else base)
         graph[name] = {e for e in edges if e in modules and e != name}
     return graph
 
