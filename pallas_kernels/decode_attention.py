@@ -17,6 +17,9 @@ the bytes of that round trip, and its rounding (at most 2^-11 |s - m| <= 2^-11 |
 log of a probability p) stays below what the 16-bit K and q already carry. With
 `values=False` the kernel is the scores pass alone (Kascade's anchor layers, as in its §3.6):
 no V is read and no output computed, about half the bytes of the dense pass.
+
+One file, as every kernel family: the kernel, its wrapper, the public function and its
+reference twin side by side.
 """
 from __future__ import annotations
 

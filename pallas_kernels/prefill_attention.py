@@ -29,6 +29,9 @@ the cache viewed as [num_pages * HK * P, D] rows (as the decode kernel), keeps a
 softmax and writes one (out, lse) partial; `common.merge_partials` combines the splits. The
 key stream is the selected positions (sparse) followed by the key blocks from the tile's
 first position (sparse) or 0 (dense) up to the block's last query.
+
+One file, as every kernel family: the kernel, its wrapper, the public function and its
+reference twin side by side.
 """
 from __future__ import annotations
 

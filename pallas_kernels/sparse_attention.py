@@ -50,6 +50,9 @@ oracle top-k) has already computed every q.k in its scores pass (`paged_decode_a
 with pool_scores=False leaves them as `LogitRows`). With `logits=` the kernel gathers
 those at the selected positions (float16 and a float32 max per key block) instead of K:
 about a third of the bytes of a K row per token, so the step reads V and little else.
+
+One file, as every kernel family: the kernel, its wrapper, the public function and its
+reference twin side by side.
 """
 from __future__ import annotations
 

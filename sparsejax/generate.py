@@ -6,6 +6,9 @@ right-padded to a length bucket (`bucket_length`), so prompts of many lengths sh
 compiled program per bucket. With
 `draft_tokens`, each loop iteration is a round of self-speculative decoding instead
 (`sparsejax.speculative`): the method drafts, dense attention verifies.
+
+One file: the public entry points share `_prepare`'s checks and `_generate`'s static
+arguments, and the memory check compiles the very program `generate` runs.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ are a count of tokens (`k=`, `token_budget=`, `budget_pages=`, `window=`: the sa
 row) or a `ratio=` of each row's own length, growing with the tokens it generates; both are
 rounded up to the selection unit.
 
+One file: the registry that the command line, eval and `LLM` read builds every method here.
+
   Dense()                                  every layer dense
   OracleTopK(ratio=0.1 | k=...)            every layer picks its own exact top-k per query head
   StreamingLLM(sinks=4, window=1024 | ratio=...)   sinks + the most recent tokens, every layer

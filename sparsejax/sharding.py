@@ -105,8 +105,11 @@ def check_mesh(mesh, config: ModelConfig, batch: int | None = None) -> None:
     for name, value in (("num_attention_heads", c.num_heads), ("intermediate_size",
                         c.intermediate_size), ("vocab_size", c.vocab_size)):
         if value % m:
+            hint = ("; pad the embedding and LM head to a multiple of it (the padded logits are "
+                    "never sampled) or pick a mesh size that divides it"
+                    if name == "vocab_size" else "")
             raise ValueError(f"{name}={value} is not divisible by the mesh's {MODEL!r} axis "
-                             f"size {m}")
+                             f"size {m}{hint}")
     if c.num_kv_heads % m and m % c.num_kv_heads:
         raise ValueError(f"num_key_value_heads={c.num_kv_heads} neither divides over nor "
                          f"replicates onto the mesh's {MODEL!r} axis size {m}")
