@@ -67,7 +67,7 @@ TARGET_RESA_CUT = 0.5
 def build_method(name: str, config, tokens: int, ratio: float, fitted: M.Fitted):
     base, resa = name.removesuffix("+resa"), name.endswith("+resa")
     registry, use_fitted = VARIANTS[base]
-    method = M.REGISTRY[registry].at_budget(config, tokens, ratio,
+    method = M.REGISTRY[registry].at_budget(config, M.Ratio(ratio),
                                             fitted if use_fitted else M.Fitted())
     return M.RESA(method) if resa else method
 

@@ -428,7 +428,7 @@ def test_calibrate_and_train_gates_from_text_feed_llm(hf_text_model, capsys):
     lychee = sparsejax.LLM(model_dir, method="lychee")
     np.testing.assert_array_equal(np.asarray(lychee.method_for(100).retrieval_heads)[1:],
                                   np.asarray(record["retrieval_heads"])[1:])
-    assert len(lychee.generate(["The story begins"], max_new_tokens=3)) == 1
+    assert len(lychee.generate(["The story begins"], sparsejax.SamplingParams(max_tokens=3))) == 1
 
 
 def test_text_calibration_errors_name_the_flag(hf_text_model, tmp_path, capsys):
@@ -489,6 +489,6 @@ def test_smollm2_ships_its_fitted_files():
         assert set(fitted.calibration) == {"delta", "kascade"}
         assert fitted.retrieval_heads is not None and fitted.retrieval_heads.shape == (30, 3)
         assert fitted.calibration["delta"].parent.parent == A.assets_root() / "smollm2"
-    kascade = M.REGISTRY["kascade"].at_budget(model.config, 205, 0.1, fitted)
+    kascade = M.REGISTRY["kascade"].at_budget(model.config, M.Ratio(0.1), fitted)
     calib = A.load_calibration(fitted.calibration["kascade"], "kascade", model=model)
     assert kascade.anchor_layers == tuple(calib["layers"])

@@ -78,6 +78,6 @@ def test_chat_answer_and_full_budget_retrieval(llm):
     dense_tokens, (answer, completion) = decode(None)
     assert "Paris" in answer, answer
     assert tasks.score(completion, passkey.answers) == 1.0, (completion, passkey.answers)
-    full = M.REGISTRY["delta"].at_budget(llm.model.config, CONTEXT + 16, 1.0, M.Fitted())
+    full = M.REGISTRY["delta"].at_budget(llm.model.config, M.Ratio(1.0), M.Fitted())
     sparse_tokens, _ = decode(full)
     np.testing.assert_array_equal(sparse_tokens, dense_tokens)
