@@ -204,7 +204,10 @@ def test_directory_with_one_gguf(files, tmp_path):
 
 
 def test_bf16_load(files):
-    model = sparsejax.from_pretrained(files["llama", "F16"])
+    """dtype="auto" (the default) keeps the dequantized float32, as transformers' GGUF loading
+    does; an explicit dtype casts."""
+    assert sparsejax.from_pretrained(files["llama", "F16"]).dtype == jnp.float32
+    model = sparsejax.from_pretrained(files["llama", "F16"], dtype=jnp.bfloat16)
     assert model.dtype == jnp.bfloat16
 
 

@@ -452,9 +452,11 @@ def add_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="documents (.txt: one per file; .jsonl: a \"text\" field per line) "
-                        "cut into --context-token windows")
+                        "cut into --context-token windows (default: --prompts, else the "
+                        "synthetic --task prompts)")
     source.add_argument("--prompts", default=None, help="text file, ONE PROMPT PER LINE, "
-                        "tokenized with the model's tokenizer (for documents use --text)")
+                        "tokenized with the model's tokenizer (for documents use --text; "
+                        "default: none)")
     source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
                         f"tasks, in turn (default without --text/--prompts: all of "
                         f"{','.join(TASKS)}; the shipped model's vocabulary only)")

@@ -446,7 +446,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     filler.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="documents the passkeys are hidden in (.txt: one per file; "
                         ".jsonl: a \"text\" field per line) (default: built-in filler)")
-    filler.add_argument("--data", default=None, help="one filler text file (as --text FILE)")
+    filler.add_argument("--data", default=None,
+                        help="one filler text file (as --text FILE; default: built-in filler)")
     p.add_argument("--context", type=positive_int, default=None,
                    help=f"prompt tokens (default: {DEFAULT_CONTEXT}, or less to fit the model's "
                    "context with the targets); --min-length/--max-length give a range instead")
