@@ -188,7 +188,8 @@ def test_generate_refuses_what_does_not_fit(monkeypatch):
     # at these shapes the CPU reference attention's temporaries are ~30x the cache: compile
     # and check even a cache that small (the shortcut assumes temporaries a fraction of it)
     monkeypatch.setattr(kv, "_ROOM_TO_SPARE", 10**9)
-    with pytest.raises(ValueError, match=r"batch=6 rows x 127 tokens.*at most batch=4 rows"):
+    # the prompt of 100 tokens pads to its length bucket, 128: 128 + 28 - 1 tokens a row
+    with pytest.raises(ValueError, match=r"batch=6 rows x 155 tokens.*at most batch=4 rows"):
         run(ids)
     out = run(ids[:4])
     assert out.tokens.shape == (4, 28)

@@ -96,8 +96,10 @@ def test_dependent_budget_defaults_adapt_or_name_the_argument():
 
 # ---- the README's and the docstring's snippets ------------------------------------------------
 def snippets() -> list[str]:
-    """Every Python block of the README and the package docstring's example."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    """Every Python block of the README and docs/architecture.md, and the package docstring's
+    example."""
+    blocks = [block for doc in (README, README.parent / "docs" / "architecture.md")
+              for block in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
     doc = sparsejax.__doc__
     blocks.append("\n".join(line[4:] for line in doc.splitlines() if line.startswith("    ")))
     return blocks
