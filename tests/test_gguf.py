@@ -266,7 +266,7 @@ def test_unsupported_tensor_type(sources, tmp_path):
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(ValueError, match="no such GGUF file"):
         sparsejax.from_pretrained("nowhere/model.gguf")
-    with pytest.raises(ValueError, match="not a file"):
+    with pytest.raises(ValueError, match="absent.gguf cannot be read: No such file"):
         sparsejax.load_tokenizer(tmp_path / "absent.gguf")
 
 
