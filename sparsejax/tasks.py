@@ -429,14 +429,19 @@ def build(task_name: str, tokenizer, context: int, seed: int, *, chat: bool = Tr
                   seed=int(seed), max_new_tokens=answer_tokens + ANSWER_MARGIN_TOKENS)
 
 
-def prompt_batch(samples: Sequence[Sample], pad_id: int = 0, length: int | None = None):
-    """Right-padded prompts for `sparsejax.generate`: ids [B, T] int32 (T = `length`, default
-    the longest prompt), lengths [B] int32."""
-    lengths = np.asarray([s.length for s in samples], np.int32)
+def right_pad(rows: Sequence[np.ndarray], pad_id: int = 0, length: int | None = None):
+    """Token rows right-padded for `sparsejax.generate`: ids [B, T] int32 (T = `length`,
+    default the longest row), lengths [B] int32."""
+    lengths = np.asarray([len(r) for r in rows], np.int32)
     T = int(lengths.max()) if length is None else length
     if lengths.max() > T:
         raise ValueError(f"length={T} is shorter than the longest prompt ({lengths.max()})")
-    ids = np.full((len(samples), T), pad_id, np.int32)
-    for row, s in enumerate(samples):
-        ids[row, :s.length] = s.prompt_ids
+    ids = np.full((len(rows), T), pad_id, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
     return ids, lengths
+
+
+def prompt_batch(samples: Sequence[Sample], pad_id: int = 0, length: int | None = None):
+    """The samples' prompts right-padded (`right_pad`)."""
+    return right_pad([s.prompt_ids[:s.length] for s in samples], pad_id, length)

@@ -295,14 +295,9 @@ def check_answer(generated_ids, sample: Sample) -> bool:
 # ---- batches --------------------------------------------------------------------------------
 def prompt_batch(samples: Sequence[Sample], length: int | None = None):
     """Right-padded prompts for `sparsejax.generate`: ids [B, T] int32, lengths [B] int32."""
-    lengths = np.asarray([s.context for s in samples], np.int32)
-    T = int(lengths.max()) if length is None else length
-    if lengths.max() > T:
-        raise ValueError(f"length={T} is shorter than the longest prompt ({lengths.max()})")
-    ids = np.full((len(samples), T), PAD_ID, np.int32)
-    for row, s in enumerate(samples):
-        ids[row, :s.context] = s.input_ids
-    return ids, lengths
+    from sparsejax.tasks import right_pad
+
+    return right_pad([s.input_ids[:s.context] for s in samples], PAD_ID, length)
 
 
 class TrainBatch(NamedTuple):
