@@ -3,6 +3,9 @@
     python benchmarks/bench_tensor_parallel.py           # GPUs -> results/tensor_parallel.json, .png
     python benchmarks/bench_tensor_parallel.py --smoke   # CPU, 8 host devices, tiny shapes
 
+    python benchmarks/bench_tensor_parallel.py --tps 2 --name tp2   # only the TP=2 cells
+    python benchmarks/bench_tensor_parallel.py --merge tp1.json tp2.json ...  # one results file
+
 Parts (each runs the cells the host's GPU count allows and lists the others as skipped):
   one_gpu   mesh=None against a 1-device mesh (the cost of the sharding machinery on one GPU):
             Llama-3.1-8B B=1 at 4k / 32k and DS-Qwen-1.5B B=16 at 4k, dense and DELTA.
@@ -11,15 +14,19 @@ Parts (each runs the cells the host's GPU count allows and lists the others as s
             over the decode trace, integrated (trapezoid) into tokens/s.
   scaling   Llama-3.1-8B shapes, 32k, B=16: step ms at TP = 1, 2, 4 per method, efficiency
             (TP=1 ms / (N x TP=N ms)) and the share of GPU time in collectives (profile).
+  capacity  Llama-3.1-8B shapes, 128k: the largest batch whose sharded cache and donated decode
+            step run at TP = 1 and 4, from the arithmetic limit down.
+Each cell shares one random cache between the methods and compiles their steps on threads.
 Random bf16 weights and K/V (benchmarks/shapes.py); the cache is created sharded in place.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
-import shutil
 import sys
+from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:   # host devices must be set before JAX starts
@@ -44,11 +51,14 @@ FULL = dict(
            ("qwen-14b", 4, 32, (1, 2048, 4096, 8192, 16384, 19456))],
     # B=8 as well: at B=16 one GPU cannot hold the cache with XLA's temporaries
     scaling=("llama-8b", 32768, (16, 8), (1, 2, 4)),
+    # (model, context, TPs, methods, batches tried from the arithmetic limit down, free bytes)
+    capacity=("llama-8b", 131072, (1, 4), ("dense", "delta"), 3, None),
     steps=20)
 TINY = dict(
     one_gpu=[("tiny-tp", 2, (256,), ("dense", "delta"))],
     delta=[("tiny-tp", 2, 4, (1, 128, 256)), ("tiny-tp", 4, 4, (1, 128, 256))],
     scaling=("tiny-tp", 256, (4,), (1, 2, 4)),
+    capacity=("tiny-tp", 256, (1, 4), ("dense",), 2, 2 << 20),
     steps=2)
 EXTRA_STEPS = 96  # cache slots past the context: `harness.profile`'s calls (82 at 20 steps)
 
@@ -66,12 +76,12 @@ def place(model, mesh):
     return model if mesh is None else sparsejax.shard(model, mesh)
 
 
-def random_cache(config, plan, batch, context, mesh, key):
+def random_cache(config, page_size, batch, context, mesh, key):
     """`context` random tokens per row in a cache of context + EXTRA_STEPS, created where the
     mesh lays it out (the methods timed here keep no per-layer state)."""
     from sparsejax import sharding
 
-    cache = sharding.allocate(config, batch, context + EXTRA_STEPS, page_size=plan.page_size,
+    cache = sharding.allocate(config, batch, context + EXTRA_STEPS, page_size=page_size,
                               dtype=jnp.bfloat16, mesh=mesh)
 
     def fill(c, key):
@@ -84,40 +94,64 @@ def random_cache(config, plan, batch, context, mesh, key):
     return jax.jit(fill, donate_argnums=0, out_shardings=where)(cache, key)
 
 
-def step_times(model, name, batch, contexts, mesh, steps):
-    """Profile of the jitted, cache-donating `decode_step` at each context (one cache and one
-    compile, at the largest context; only `lengths` changes)."""
+def compile_steps(model, names, cache, mesh):
+    """Each method's jitted, cache-donating `decode_step` for this cache, compiled on threads
+    (XLA compiles outside the GIL: a 4-method cell compiles in about the time of one)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import sparsejax
     from sparsejax.plan import as_plan
 
-    config = model.config
-    plan = as_plan(S.method(name, config, max(contexts)), config, None)
-    cache = random_cache(config, plan, batch, max(contexts), mesh, jax.random.key(batch))
     step = jax.jit(sparsejax.decode_step, static_argnames=("plan", "diagnostics"),
                    donate_argnums=1)
+    tokens = jnp.zeros((cache.lengths.shape[0],), jnp.int32)
+    capacity = cache.capacity - EXTRA_STEPS
+    plans = {name: as_plan(S.method(name, model.config, capacity), model.config, None)
+             for name in names}
+    for name, plan in plans.items():
+        if plan.page_size != cache.page_size:
+            raise ValueError(f"{name}: page_size={plan.page_size}, the shared cache's is "
+                             f"{cache.page_size}")
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(lambda p: step.lower(model, cache, tokens, plan=p).compile(),
+                                     plan) for name, plan in plans.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+def step_times(model, names, batch, contexts, mesh, steps):
+    """{method: {context: profile}} of the jitted, cache-donating `decode_step`: one random
+    cache at the largest context shared by every method (only `lengths` changes), one compile
+    per method."""
+    from sparsejax.plan import as_plan
+
+    page_size = as_plan(S.method("dense", model.config, max(contexts)), model.config,
+                        None).page_size
+    cache = random_cache(model.config, page_size, batch, max(contexts), mesh,
+                         jax.random.key(batch))
+    compiled = compile_steps(model, names, cache, mesh)
     tokens = jnp.zeros((batch,), jnp.int32)
-    compiled = step.lower(model, cache, tokens, plan=plan).compile()
-    out = {}
     state = {"cache": cache}
-    for context in contexts:
-        state["cache"] = state["cache"].replace(
-            lengths=jnp.full((batch,), context, jnp.int32))
+    out = {}
+    for name in names:
+        for context in contexts:
+            state["cache"] = state["cache"].replace(
+                lengths=jnp.full((batch,), context, jnp.int32))
 
-        def call():
-            logits, state["cache"] = compiled(model, state["cache"], tokens)
-            return logits
+            def call(fn=compiled[name]):
+                logits, state["cache"] = fn(model, state["cache"], tokens)
+                return logits
 
-        prof = harness.profile(call, calls=steps, warmup=2)
-        total = sum(prof["by_class_ms"].values())
-        prof["collective_share"] = round(prof["by_class_ms"].get("collective", 0.0)
-                                         / max(total, 1e-9), 4)
-        out[context] = prof
+            prof = harness.profile(call, calls=steps, warmup=2)
+            total = sum(prof["by_class_ms"].values())
+            prof["collective_share"] = round(prof["by_class_ms"].get("collective", 0.0)
+                                             / max(total, 1e-9), 4)
+            out.setdefault(name, {})[context] = prof
     return out
 
 
-# XLA's temporaries beside a sharded cache: 2.35x measured before the cache was written in
-# place on one GPU (then ~1.05x); not re-measured under tensor parallelism.
-CACHE_HEADROOM = 2.35
+# XLA's temporaries beside a sharded cache, a pre-filter only (a cell that runs out of memory
+# anyway is listed as skipped): the cache is written in place, ~1.1x on one GPU.
+CACHE_HEADROOM = 1.15
 
 
 def fits(config, batch, context, tp) -> bool:
@@ -133,21 +167,46 @@ def fits(config, batch, context, tp) -> bool:
     return (weights / tp + CACHE_HEADROOM * kv_bytes * copies / tp) <= device_memory()
 
 
-def part_one_gpu(cfg, rows, skipped):
+def out_of_memory(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def measured(part, skipped, where, fn):
+    """fn() or, when the cell runs out of GPU memory, None with the cell listed as skipped."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - only memory exhaustion is a skip
+        if not out_of_memory(e):
+            raise
+        skipped.append(dict(part=part, **where, why="out of memory: "
+                            + str(e).splitlines()[0][:200]))
+        print(f"{part} {where}: out of memory", flush=True)
+        return None
+
+
+def unavailable(config, batch, context, tp) -> str | None:
+    if tp > jax.device_count():
+        return f"{jax.device_count()} devices"
+    return None if fits(config, batch, context, tp) else "memory (pre-filter)"
+
+
+def part_one_gpu(cfg, rows, skipped, tps):
     for model_name, batch, contexts, names in cfg["one_gpu"]:
         model = S.random_model(model_name)
+        times = {tp: step_times(place(model, mesh_of(tp)), names, batch, contexts,
+                                mesh_of(tp), cfg["steps"]) for tp in (None, 1)}
         for name in names:
-            times = {tp: step_times(place(model, mesh_of(tp)), name, batch, contexts,
-                                    mesh_of(tp), cfg["steps"]) for tp in (None, 1)}
             for context in contexts:
-                bare, meshed = times[None][context]["wall_ms"], times[1][context]["wall_ms"]
+                bare, meshed = (times[None][name][context]["wall_ms"],
+                                times[1][name][context]["wall_ms"])
                 rows.append(harness.row(f"one_gpu/{model_name}/{name}", context=context,
                                         batch=batch, ms=meshed, peer="mesh=None", peer_ms=bare,
                                         part="one_gpu", model=model_name, method=name, tp=1,
                                         mesh_over_none=round(meshed / bare, 4)))
                 print(f"one_gpu {model_name} B={batch} T={context} {name}: mesh=None {bare:.3f} "
                       f"ms, 1-device mesh {meshed:.3f} ms (x{meshed / bare:.3f})", flush=True)
-        del model
+        model = None   # the placed weights go before the next setting
 
 
 def integrate(contexts, ms, batch):
@@ -157,71 +216,131 @@ def integrate(contexts, ms, batch):
     return batch * (contexts[-1] - contexts[0]) / seconds
 
 
-def part_delta(cfg, rows, skipped):
+def part_delta(cfg, rows, skipped, tps):
     for model_name, tp, batch, contexts in cfg["delta"]:
+        if tp not in tps:
+            continue
         config = S.config(model_name)
-        if tp > jax.device_count() or not fits(config, batch, contexts[-1], tp):
-            skipped.append(dict(part="delta", model=model_name, tp=tp, batch=batch,
-                                why=f"{jax.device_count()} devices" if tp > jax.device_count()
-                                else "memory"))
+        where = dict(model=model_name, tp=tp, batch=batch)
+        why = unavailable(config, batch, contexts[-1], tp)
+        if why:
+            skipped.append(dict(part="delta", **where, why=why))
             continue
         mesh = mesh_of(tp)
         model = place(S.random_model(model_name), mesh)
-        dense_tps = None
+        times = measured("delta", skipped, where,
+                         lambda: step_times(model, METHODS, batch, contexts, mesh, cfg["steps"]))
+        model = None   # the placed weights go before the next setting
+        if times is None:
+            continue
+        dense_tps = integrate(contexts, [times["dense"][t]["wall_ms"] for t in contexts], batch)
         for name in METHODS:
-            times = step_times(model, name, batch, contexts, mesh, cfg["steps"])
-            ms = [times[t]["wall_ms"] for t in contexts]
-            tps = integrate(contexts, ms, batch)
-            dense_tps = tps if name == "dense" else dense_tps
+            ms = [times[name][t]["wall_ms"] for t in contexts]
+            tps_ = integrate(contexts, ms, batch)
             for t in contexts:
                 rows.append(harness.row(
                     f"delta/{model_name}/tp{tp}/{name}", context=t, batch=batch,
-                    ms=times[t]["wall_ms"], part="delta", model=model_name, method=name, tp=tp,
-                    collective_share=times[t]["collective_share"],
-                    by_class_ms=times[t]["by_class_ms"]))
+                    ms=times[name][t]["wall_ms"], part="delta", model=model_name, method=name,
+                    tp=tp, collective_share=times[name][t]["collective_share"],
+                    by_class_ms=times[name][t]["by_class_ms"]))
             rows.append(harness.row(
                 f"delta/{model_name}/tp{tp}/{name}/trace", context=contexts[-1], batch=batch,
                 ms=float(np.mean(ms)), part="delta_trace", model=model_name, method=name, tp=tp,
-                tokens_per_s=round(tps, 1), speedup_vs_dense=round(tps / dense_tps, 3)))
+                tokens_per_s=round(tps_, 1), speedup_vs_dense=round(tps_ / dense_tps, 3)))
             print(f"delta {model_name} TP={tp} B={batch} {name}: "
                   + " ".join(f"{t}:{m:.3f}" for t, m in zip(contexts, ms))
-                  + f" ms -> {tps:.0f} tokens/s (x{tps / dense_tps:.2f} dense)", flush=True)
-        del model
+                  + f" ms -> {tps_:.0f} tokens/s (x{tps_ / dense_tps:.2f} dense)", flush=True)
 
 
-def part_scaling(cfg, rows, skipped):
-    model_name, context, batches, tps_ = cfg["scaling"]
+def part_scaling(cfg, rows, skipped, tps):
+    model_name, context, batches, all_tps = cfg["scaling"]
     config = S.config(model_name)
-    for batch in batches:
-        one = {}
-        for tp in tps_:
-            if tp > jax.device_count() or not fits(config, batch, context, tp):
-                skipped.append(dict(part="scaling", model=model_name, tp=tp, batch=batch,
-                                    why=f"{jax.device_count()} devices"
-                                    if tp > jax.device_count() else "memory"))
+    for tp in [t for t in all_tps if t in tps]:
+        mesh = mesh_of(tp)
+        model = place(S.random_model(model_name), mesh)   # the unplaced copy is freed
+        for batch in batches:
+            where = dict(model=model_name, tp=tp, batch=batch)
+            why = unavailable(config, batch, context, tp)
+            if why:
+                skipped.append(dict(part="scaling", **where, why=why))
                 continue
-            mesh = mesh_of(tp)
-            model = place(S.random_model(model_name), mesh)   # the unplaced copy is freed
+            times = measured("scaling", skipped, where,
+                             lambda: step_times(model, METHODS, batch, (context,), mesh,
+                                                cfg["steps"]))
+            if times is None:
+                continue
             for name in METHODS:
-                prof = step_times(model, name, batch, (context,), mesh, cfg["steps"])[context]
-                ms = prof["wall_ms"]
-                one.setdefault(name, {})[tp] = ms
-                t1 = one[name].get(1)
-                dense = one.get("dense", {}).get(tp)
+                prof = times[name][context]
                 rows.append(harness.row(
-                    f"scaling/{model_name}/tp{tp}/{name}", context=context, batch=batch, ms=ms,
-                    part="scaling", model=model_name, method=name, tp=tp,
-                    efficiency=None if t1 is None else round(t1 / (tp * ms), 3),
-                    tp1_ms=t1, speedup_vs_dense=None if dense is None else round(dense / ms, 3),
+                    f"scaling/{model_name}/tp{tp}/{name}", context=context, batch=batch,
+                    ms=prof["wall_ms"], part="scaling", model=model_name, method=name, tp=tp,
+                    speedup_vs_dense=round(times["dense"][context]["wall_ms"]
+                                           / prof["wall_ms"], 3),
                     collective_share=prof["collective_share"], by_class_ms=prof["by_class_ms"]))
-                print(f"scaling {model_name} T={context} B={batch} TP={tp} {name}: {ms:.3f} ms, "
-                      f"collectives {100 * prof['collective_share']:.1f}%"
-                      + ("" if t1 is None else f", efficiency {t1 / (tp * ms):.2f}"), flush=True)
-            del model
+                print(f"scaling {model_name} T={context} B={batch} TP={tp} {name}: "
+                      f"{prof['wall_ms']:.3f} ms, collectives "
+                      f"{100 * prof['collective_share']:.1f}%", flush=True)
+        model = None   # the placed weights go before the next setting
+    add_efficiency(rows)
+
+
+def add_efficiency(rows):
+    """TP=1 ms / (N x TP=N ms) on every scaling row whose TP=1 cell ran (also from an earlier
+    process's rows: the parts may run on disjoint GPUs at the same time)."""
+    scaling = [r for r in rows if r.get("part") == "scaling"]
+    one = {(r["method"], r["batch"]): r["ms"] for r in scaling if r["tp"] == 1}
+    for r in scaling:
+        t1 = one.get((r["method"], r["batch"]))
+        r["tp1_ms"] = t1
+        r["efficiency"] = None if t1 is None else round(t1 / (r["tp"] * r["ms"]), 3)
+
+
+def free_bytes(devices) -> int:
+    """The allocator's room left on the fullest of `devices`."""
+    stats = [d.memory_stats() or {} for d in devices]
+    return min(int(s.get("bytes_limit", 1 << 34)) - int(s.get("bytes_in_use", 0))
+               for s in stats)
+
+
+def part_capacity(cfg, rows, skipped, tps):
+    """The largest batch of `context` tokens whose sharded cache and donated decode step run,
+    stepping down from the arithmetic limit (free memory after the weights / a row's cache
+    bytes per GPU) while the step runs out of memory."""
+    from sparsejax import cache as kv
+
+    model_name, context, all_tps, names, tries, pretend_free = cfg["capacity"]
+    config = S.config(model_name)
+    for tp in [t for t in all_tps if t in tps and t <= jax.device_count()]:
+        mesh = mesh_of(tp)
+        model = place(S.random_model(model_name), mesh)
+        shards = min(tp, config.num_kv_heads)
+        row = kv.kv_bytes(config, 1, context + EXTRA_STEPS, dtype=jnp.bfloat16) / shards
+        free = pretend_free or free_bytes(jax.devices()[:tp])
+        arithmetic = int(free // row)
+        for name in names:
+            batch, ran = arithmetic, None
+            for _ in range(tries):
+                where = dict(model=model_name, tp=tp, batch=batch, method=name)
+                ran = measured("capacity", skipped, where, lambda: step_times(
+                    model, (name,), batch, (context,), mesh, 3))
+                if ran is not None or batch == 1:
+                    break
+                batch -= 1
+            peak = max(int((d.memory_stats() or {}).get("peak_bytes_in_use", 0))
+                       for d in jax.devices()[:tp])
+            rows.append(harness.row(
+                f"capacity/{model_name}/tp{tp}/{name}", context=context, batch=batch, tp=tp,
+                ms=ran[name][context]["wall_ms"] if ran else None, part="capacity",
+                model=model_name, method=name, ran=ran is not None, arithmetic=arithmetic,
+                of_arithmetic=round(batch / arithmetic, 3), free_gb=round(free / 1e9, 2),
+                row_gb_per_gpu=round(row / 1e9, 3), peak_gb=round(peak / 1e9, 2)))
+            print(f"capacity {model_name} T={context} TP={tp} {name}: batch {batch} "
+                  f"{'ran' if ran else 'did not run'} (arithmetic {arithmetic})", flush=True)
+        model = None   # the placed weights go before the next setting
 
 
 def plot(doc, path):
-    """Left: DELTA's decode trace in tokens/s per method at TP=2. Right: the decode step
+    """Left: DELTA's decode trace in tokens/s per method and setting. Right: the decode step
     against the number of GPUs, a colour per method and a line style per batch."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
@@ -231,12 +350,14 @@ def plot(doc, path):
     rows = doc["rows"]
     fig, ((ax, bx),) = figure(1, 2, figsize=(12, 4.4))
     trace = [r for r in rows if r.get("part") == "delta_trace"]
-    for i, r in enumerate(trace):
-        ax.bar(i, r["tokens_per_s"], color=f"C{METHODS.index(r['method'])}")
-    ax.set_xticks(range(len(trace)), [r["method"] for r in trace])
-    if trace:
-        ax.set_title(f"{trace[0]['model']}, TP={trace[0]['tp']}, B={trace[0]['batch']}, "
-                     "decode trace", fontsize=10)
+    settings = list(dict.fromkeys((r["model"], r["tp"], r["batch"]) for r in trace))
+    for r in trace:
+        i = settings.index((r["model"], r["tp"], r["batch"]))
+        m = METHODS.index(r["method"])
+        ax.bar(i * (len(METHODS) + 1) + m, r["tokens_per_s"], color=f"C{m}")
+    ax.set_xticks([i * (len(METHODS) + 1) + (len(METHODS) - 1) / 2 for i in range(len(settings))],
+                  [f"{m}\nTP={tp}, B={b}" for m, tp, b in settings], fontsize=8)
+    ax.set_title("DELTA's decode trace setting (Figure 5), integrated", fontsize=10)
     ax.set_ylabel("tokens/s")
     scaling = [r for r in rows if r.get("part") == "scaling"]
     batches = sorted({r["batch"] for r in scaling})
@@ -255,7 +376,7 @@ def plot(doc, path):
         bx.set_title(f"{scaling[0]['model']} shapes, {scaling[0]['context'] // 1024}k",
                      fontsize=10)
     handles = [Line2D([], [], color=f"C{i}", lw=4, label=name)
-               for i, name in enumerate(METHODS) if any(r["method"] == name for r in scaling)]
+               for i, name in enumerate(METHODS) if any(r.get("method") == name for r in rows)]
     handles += [Line2D([], [], color="gray", ls=styles[b][0], marker=styles[b][1], label=f"B={b}")
                 for b in batches]
     bx.legend(handles=handles, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
@@ -267,34 +388,53 @@ def plot(doc, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, 8 host devices, tiny shapes")
-    parser.add_argument("--parts", default="one_gpu,delta,scaling")
+    parser.add_argument("--parts", default="one_gpu,delta,scaling,capacity")
+    parser.add_argument("--tps", default="1,2,4",
+                        help="tensor-parallel sizes to run (parts on disjoint GPUs can run at "
+                             "once: CUDA_VISIBLE_DEVICES=0,1 ... --tps 2 --name tp2 &)")
+    parser.add_argument("--name", default="tensor_parallel", help="results/<name>.json")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="no run: join these results files into results/tensor_parallel.json")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge([Path(f) for f in args.merge])
     if not (args.smoke or jax.default_backend() == "gpu"):
         raise SystemExit("needs GPUs; use --smoke to exercise the script on CPU")
     cfg = TINY if args.smoke else FULL
-    rows, skipped = [], []
-    parts = dict(one_gpu=part_one_gpu, delta=part_delta, scaling=part_scaling)
-    meta = dict(devices=jax.device_count(), skipped=skipped,
-                methods="benchmarks/shapes.py method(): DELTA, Kascade 10%, Lychee TopK(4096)")
+    tps = {int(t) for t in args.tps.split(",")}
+    skipped = []
+    meta = dict(devices=jax.device_count(), skipped=skipped, methods=METHOD_NOTE)
+    rows = harness.Rows(args.name, meta, write=not args.smoke)   # a cut-off run keeps its rows
+    parts = dict(one_gpu=part_one_gpu, delta=part_delta, scaling=part_scaling,
+                 capacity=part_capacity)
     for name in args.parts.split(","):
-        parts[name](cfg, rows, skipped)
-        if not args.smoke:   # what a cut-off run measured is kept
-            harness.write_results("tensor_parallel", rows, partial=True, **meta)
+        parts[name](cfg, rows, skipped, tps)
     harness.print_table(rows, cols=("case", "context", "batch", "ms", "peer_ms", "tp"))
     if skipped:
         print("skipped:", skipped)
     if not args.smoke:
-        path = harness.write_results("tensor_parallel", rows, **meta)
-        plot(json_doc(path), path.with_suffix(".png"))
-        if os.environ.get("OUT"):
-            shutil.copy(path.with_suffix(".png"), os.environ["OUT"])
+        path = harness.write_results(args.name, rows, **meta)
         print(f"wrote {path}")
 
 
-def json_doc(path):
-    import json
+METHOD_NOTE = "benchmarks/shapes.py method(): DELTA, Kascade 10%, Lychee TopK(4096)"
 
-    return json.loads(path.read_text())
+
+def merge(paths):
+    """One results file (and its plot) from the files of parts run as separate processes."""
+    docs = [json.loads(p.read_text()) for p in paths]
+    rows = [r for d in docs for r in d["rows"]]
+    add_efficiency(rows)
+    first = docs[0]
+    doc = dict(device=first["device"], jax_version=first["jax_version"], date=first["date"],
+               devices=max(d["devices"] for d in docs), methods=METHOD_NOTE,
+               skipped=[s for d in docs for s in d["skipped"]],
+               runs=[dict(file=p.name, devices=d["devices"], device=d["device"], date=d["date"])
+                     for p, d in zip(paths, docs)], rows=rows)
+    path = harness.RESULTS / "tensor_parallel.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    plot(doc, path.with_suffix(".png"))
+    print(f"wrote {path} ({len(rows)} rows from {len(paths)} files)")
 
 
 if __name__ == "__main__":

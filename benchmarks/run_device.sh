@@ -7,7 +7,8 @@
 #          (selecting layers vs dense at decode: Kascade's Table 3; SELECTING_ARGS= adds flags),
 #          spec (lossless mode: acceptance and speed on the embedded model, the cost model on
 #          DS-Qwen-1.5B shapes, planned for about 4 minutes on an H200), tp (tensor parallel on every GPU of the host;
-#          TP_PARTS= picks parts), fidelity and calibration (benchmarks/fidelity.py's measurements
+#          TP_PARTS= picks parts; on 4 GPUs tp-a then tp-b split it over two calls, joined
+#          by bench_tensor_parallel.py --merge), fidelity and calibration (benchmarks/fidelity.py's measurements
 #          of the embedded model, below), memory (benchmarks/memory_probe.py: each program's
 #          memory analysis and cache-sized copies, compiled from shapes, a few minutes),
 #          capacity (the largest batch generate runs per context and method, --quick by
@@ -48,6 +49,20 @@ export_fidelity_env() {
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 JAX_DEFAULT_MATMUL_PRECISION=highest
   limit=${FIDELITY_LIMIT_S:-1800}
   root=$PWD model=$PWD/models/assets/retrieval-tiny
+}
+
+# On a 4-GPU host, the one- and two-GPU cells at once on disjoint GPUs (tp-a), then the
+# four-GPU cells (tp-b), each in one device call; `bench_tensor_parallel.py --merge` joins the
+# files they leave in $OUT.
+tp_disjoint() {
+  local bench="$PY benchmarks/bench_tensor_parallel.py"
+  CUDA_VISIBLE_DEVICES=0,1 $bench --parts delta,scaling --tps 2 --name tp2 >"$OUT/tp2.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=2 $bench --parts scaling,capacity --tps 1 --name tp1 >"$OUT/tp1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=3 $bench --parts one_gpu --name tp_one_gpu >"$OUT/tp_one_gpu.log" 2>&1 &
+  local failed=0
+  for job in $(jobs -p); do wait "$job" || failed=1; done
+  tail -n 40 "$OUT"/tp*.log
+  return $failed
 }
 
 fidelity() (  # a subshell: its environment (a small memory fraction) ends with it
@@ -105,7 +120,10 @@ for s in "${steps[@]}"; do
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
     prefill) cmd=($PY benchmarks/bench_prefill.py ${PREFILL_ARGS:-}) ;;
     selecting) cmd=($PY benchmarks/bench_selecting_layers.py ${SELECTING_ARGS:-}) ;;
-    tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling}) ;;
+    tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling,capacity}) ;;
+    tp-a)   cmd=(tp_disjoint) ;;
+    tp-b)   cmd=($PY benchmarks/bench_tensor_parallel.py --parts delta,scaling,capacity --tps 4
+                 --name tp4) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     memory) cmd=($PY benchmarks/memory_probe.py) ;;
     capacity) cmd=($PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
