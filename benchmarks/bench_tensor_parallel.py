@@ -53,7 +53,7 @@ FULL = dict(
     scaling=("llama-8b", 32768, (16, 8), (1, 2, 4)),
     # (model, context, TPs, methods, batches tried from the arithmetic limit down, free bytes)
     capacity=("llama-8b", 131072, (1, 4), ("dense", "delta"), 3, None),
-    steps=20)
+    steps=10)
 TINY = dict(
     one_gpu=[("tiny-tp", 2, (256,), ("dense", "delta"))],
     delta=[("tiny-tp", 2, 4, (1, 128, 256)), ("tiny-tp", 4, 4, (1, 128, 256))],
@@ -85,13 +85,30 @@ def random_cache(config, page_size, batch, context, mesh, key):
                               dtype=jnp.bfloat16, mesh=mesh)
 
     def fill(c, key):
-        kk, kv_ = jax.random.split(key)
-        return c.replace(k=jax.random.normal(kk, c.k.shape, c.k.dtype),
-                         v=jax.random.normal(kv_, c.v.shape, c.v.dtype),
-                         lengths=jnp.full(c.lengths.shape, context, jnp.int32))
+        # a layer at a time: a whole-cache draw would hold its random bits (2x the cache)
+        def layer(i, kv):
+            k, v = kv
+            kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
+            return (k.at[i].set(jax.random.normal(kk, k.shape[1:], k.dtype)),
+                    v.at[i].set(jax.random.normal(kv_, v.shape[1:], v.dtype)))
+
+        k, v = jax.lax.fori_loop(0, c.k.shape[0], layer, (c.k, c.v))
+        return c.replace(k=k, v=v, lengths=jnp.full(c.lengths.shape, context, jnp.int32))
 
     where = jax.tree.map(lambda x: x.sharding, cache)
     return jax.jit(fill, donate_argnums=0, out_shardings=where)(cache, key)
+
+
+class CompiledTooLarge(Exception):
+    """A compiled step needs more memory than the devices have free (checked before it runs:
+    a device that runs out of memory mid-step leaves the others waiting in a collective)."""
+
+
+def memory_need(compiled) -> dict:
+    """Per device: the step's temporaries and the output bytes not aliased to a donated input."""
+    ma = compiled.memory_analysis()
+    return dict(temp=ma.temp_size_in_bytes,
+                extra=ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
 
 
 def compile_steps(model, names, cache, mesh):
@@ -115,7 +132,20 @@ def compile_steps(model, names, cache, mesh):
     with ThreadPoolExecutor(len(names)) as pool:
         futures = {name: pool.submit(lambda p: step.lower(model, cache, tokens, plan=p).compile(),
                                      plan) for name, plan in plans.items()}
-        return {name: f.result() for name, f in futures.items()}
+        compiled = {name: f.result() for name, f in futures.items()}
+    free = free_bytes(jax.devices()[:mesh.size] if mesh is not None else jax.devices()[:1])
+    for name, c in compiled.items():
+        if os.environ.get("TP_HLO_DIR") and name == "dense" and mesh and mesh.size > 1:
+            # the first sharded step's optimized HLO: where its memory goes
+            dump = Path(os.environ.pop("TP_HLO_DIR"), f"hlo_tp{mesh.size}.txt")
+            dump.write_text(c.as_text())
+        need = memory_need(c)
+        if need["extra"] > free:
+            raise CompiledTooLarge(
+                f"out of memory (compiled): {name} needs {need['extra'] / 1e9:.2f} GB beyond its "
+                f"arguments per device ({need['temp'] / 1e9:.2f} GB temporaries), "
+                f"{free / 1e9:.2f} GB free")
+    return compiled
 
 
 def step_times(model, names, batch, contexts, mesh, steps):
@@ -142,6 +172,7 @@ def step_times(model, names, batch, contexts, mesh, steps):
                 return logits
 
             prof = harness.profile(call, calls=steps, warmup=2)
+            prof["temp_gb"] = round(memory_need(compiled[name])["temp"] / 1e9, 3)
             total = sum(prof["by_class_ms"].values())
             prof["collective_share"] = round(prof["by_class_ms"].get("collective", 0.0)
                                              / max(total, 1e-9), 4)
@@ -168,6 +199,8 @@ def fits(config, batch, context, tp) -> bool:
 
 
 def out_of_memory(e: Exception) -> bool:
+    if isinstance(e, CompiledTooLarge):
+        return True
     text = str(e)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
@@ -179,8 +212,7 @@ def measured(part, skipped, where, fn):
     except Exception as e:  # noqa: BLE001 - only memory exhaustion is a skip
         if not out_of_memory(e):
             raise
-        skipped.append(dict(part=part, **where, why="out of memory: "
-                            + str(e).splitlines()[0][:200]))
+        skipped.append(dict(part=part, **where, why=str(e).splitlines()[0][:300]))
         print(f"{part} {where}: out of memory", flush=True)
         return None
 
@@ -242,7 +274,7 @@ def part_delta(cfg, rows, skipped, tps):
                     f"delta/{model_name}/tp{tp}/{name}", context=t, batch=batch,
                     ms=times[name][t]["wall_ms"], part="delta", model=model_name, method=name,
                     tp=tp, collective_share=times[name][t]["collective_share"],
-                    by_class_ms=times[name][t]["by_class_ms"]))
+                    temp_gb=times[name][t]["temp_gb"], by_class_ms=times[name][t]["by_class_ms"]))
             rows.append(harness.row(
                 f"delta/{model_name}/tp{tp}/{name}/trace", context=contexts[-1], batch=batch,
                 ms=float(np.mean(ms)), part="delta_trace", model=model_name, method=name, tp=tp,
@@ -276,7 +308,7 @@ def part_scaling(cfg, rows, skipped, tps):
                     ms=prof["wall_ms"], part="scaling", model=model_name, method=name, tp=tp,
                     speedup_vs_dense=round(times["dense"][context]["wall_ms"]
                                            / prof["wall_ms"], 3),
-                    collective_share=prof["collective_share"], by_class_ms=prof["by_class_ms"]))
+                    collective_share=prof["collective_share"], temp_gb=prof["temp_gb"], by_class_ms=prof["by_class_ms"]))
                 print(f"scaling {model_name} T={context} B={batch} TP={tp} {name}: "
                       f"{prof['wall_ms']:.3f} ms, collectives "
                       f"{100 * prof['collective_share']:.1f}%", flush=True)
