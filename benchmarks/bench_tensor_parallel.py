@@ -64,7 +64,8 @@ EXTRA_STEPS = 96  # cache slots past the context: `harness.profile`'s calls (82 
 
 
 def mesh_of(tp: int | None):
-    """A ("model",) mesh over the first `tp` devices (None: no mesh)."""
+    """A ("model",) mesh over the first `tp` devices (None: no mesh; scaling and capacity run
+    TP=1 as one GPU is used, without a mesh)."""
     if tp is None:
         return None
     return jax.make_mesh((tp,), ("model",), devices=jax.devices()[:tp])
@@ -288,7 +289,7 @@ def part_scaling(cfg, rows, skipped, tps):
     model_name, context, batches, all_tps = cfg["scaling"]
     config = S.config(model_name)
     for tp in [t for t in all_tps if t in tps]:
-        mesh = mesh_of(tp)
+        mesh = mesh_of(tp if tp > 1 else None)
         model = place(S.random_model(model_name), mesh)   # the unplaced copy is freed
         for batch in batches:
             where = dict(model=model_name, tp=tp, batch=batch)
@@ -343,7 +344,7 @@ def part_capacity(cfg, rows, skipped, tps):
     model_name, context, all_tps, names, tries, pretend_free = cfg["capacity"]
     config = S.config(model_name)
     for tp in [t for t in all_tps if t in tps and t <= jax.device_count()]:
-        mesh = mesh_of(tp)
+        mesh = mesh_of(tp if tp > 1 else None)
         model = place(S.random_model(model_name), mesh)
         shards = min(tp, config.num_kv_heads)
         row = kv.kv_bytes(config, 1, context + EXTRA_STEPS, dtype=jnp.bfloat16) / shards

@@ -198,14 +198,16 @@ def compiled(fn, *args, **static):
     return jax.jit(fn, **static).lower(*args).compile()
 
 
-def row(case: str, *, context: int | None, batch: int | None, ms: float,
+def row(case: str, *, context: int | None, batch: int | None, ms: float | None,
         floor: float | None = None, peer: str | None = None, peer_ms: float | None = None,
         **extra) -> dict:
-    r = {"case": case, "context": context, "batch": batch, "ms": round(ms, 4),
+    """One result; ms None: the case did not run (the row says why)."""
+    r = {"case": case, "context": context, "batch": batch,
+         "ms": None if ms is None else round(ms, 4),
          "floor_ms": None if floor is None else round(floor, 4),
          "peer": peer, "peer_ms": None if peer_ms is None else round(peer_ms, 4),
-         "ratio_to_floor": None if floor is None else round(ms / floor, 3),
-         "ratio_to_peer": None if peer_ms is None else round(ms / peer_ms, 3)}
+         "ratio_to_floor": None if floor is None or ms is None else round(ms / floor, 3),
+         "ratio_to_peer": None if peer_ms is None or ms is None else round(ms / peer_ms, 3)}
     r.update(extra)
     return r
 
