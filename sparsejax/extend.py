@@ -5,9 +5,10 @@ it writes their K/V into the cache and attends causally to everything cached bef
 with `paged_prefill_attention`. Chunked prefill is a `lax.scan` of extends over the prompt;
 cache correction re-runs generated tokens with it (dense attention, K/V overwritten).
 
-A prefill chunk runs the layers as a `lax.scan` over the layer index (one layer in the
-compiled program); short extends (correction, verification) and Kascade's sparse prefill,
-whose layers differ by role, run them in a Python loop.
+A prefill step of ROLLED_MIN_TOKENS or more runs the layers as a `lax.scan` over the layer
+index (one layer in the compiled program); smaller steps, short extends (correction,
+verification) and Kascade's sparse prefill, whose layers differ by role, run them in a
+Python loop.
 """
 from __future__ import annotations
 
@@ -149,6 +150,10 @@ def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, p
 
 
 ONE_PASS = "one-pass"
+# Prefill steps of at least this many tokens (rows x chunk) run their layers rolled: each
+# layer's weights are then copied once a step, a few percent of its matmuls' time at this
+# size (less beside long-context attention); smaller steps unroll the layers.
+ROLLED_MIN_TOKENS = 2048
 MAX_PREFILL_CHUNK = 8192   # tokens per row per step: longer chunks add memory, not speed
 MIN_PREFILL_CHUNK = 16     # a batch near the memory's limit leaves little for activations
 ACTIVATION_SHARE = 8       # one prefill step's temporaries may take 1/8 of the free memory
@@ -162,17 +167,45 @@ def activation_bytes_per_token(config) -> int:
                 + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
 
 
+def attention_bytes_per_row(config, chunk: int, span: int, dtype=jnp.bfloat16) -> int:
+    """A generous bound on one row's attention buffers in a dense prefill step of `chunk`
+    queries over `span` cached positions, by the backend `paged_prefill_attention` takes: the
+    reference (no GPU) holds f32 logits, probabilities and mask [HQ, chunk, span] and the
+    gathered K/V in f32; cuDNN (chunks of CUDNN_MIN_CHUNK+ on a GPU) K/V of the positions
+    before the chunk gathered contiguous (a power-of-2 run and the length-masked fallback);
+    the Pallas kernel reads the pages in place (its partials are chunk-sized, counted with
+    the activations)."""
+    c = config
+    if not common.on_gpu():
+        return 4 * span * (3 * chunk * c.num_heads + 2 * c.num_kv_heads * c.head_dim)
+    if chunk >= CUDNN_MIN_CHUNK:
+        return 4 * span * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+    return 0
+
+
+def prefill_step_bytes(config, batch: int, chunk: int, span: int, dtype=jnp.bfloat16) -> int:
+    """A generous bound on one prefill step's temporaries beside the cache: `batch` rows of
+    `chunk` tokens' activations and attention buffers over `span` cached positions."""
+    return batch * (chunk * activation_bytes_per_token(config)
+                    + attention_bytes_per_row(config, chunk, span, dtype))
+
+
 def choose_prefill_chunk(config, batch: int, prompt_len: int, *, tile: int | None = None,
-                         free_bytes: int | None = None) -> int:
+                         free_bytes: int | None = None, span: int | None = None,
+                         dtype=jnp.bfloat16) -> int:
     """Tokens per row per prefill step when the caller leaves it to us: the largest power of
-    two (MIN_PREFILL_CHUNK .. MAX_PREFILL_CHUNK) whose step over `batch` rows keeps its
-    activations within 1/ACTIVATION_SHARE of `free_bytes` (default: what the devices have
-    free now), never more than the prompt (a prompt that short runs in one step). With a
-    sparse prefill's `tile`, a multiple of it."""
+    two (MIN_PREFILL_CHUNK .. MAX_PREFILL_CHUNK) whose step over `batch` rows of `span` cached
+    positions (default: the prompt) keeps its temporaries (`prefill_step_bytes`) within
+    1/ACTIVATION_SHARE of `free_bytes` (default: what the devices have free now), never more
+    than the prompt (a prompt that short runs in one step). With a sparse prefill's `tile`,
+    a multiple of it."""
     free = kv.memory_available() if free_bytes is None else free_bytes
-    tokens = max(free, 0) // (ACTIVATION_SHARE * activation_bytes_per_token(config) * batch)
+    span = prompt_len if span is None else span
+    room = max(free, 0) // ACTIVATION_SHARE
     chunk = MIN_PREFILL_CHUNK
-    while chunk * 2 <= min(tokens, MAX_PREFILL_CHUNK):
+    while (chunk * 2 <= MAX_PREFILL_CHUNK and chunk < prompt_len
+           and prefill_step_bytes(config, batch, min(chunk * 2, prompt_len), span, dtype)
+           <= room):
         chunk *= 2
     if chunk >= prompt_len:
         chunk = prompt_len
@@ -182,12 +215,14 @@ def choose_prefill_chunk(config, batch: int, prompt_len: int, *, tile: int | Non
 
 
 def resolve_prefill_chunk(chunk, config, batch: int, prompt_len: int, *,
-                          tile: int | None = None, free_bytes: int | None = None) -> int | None:
+                          tile: int | None = None, free_bytes: int | None = None,
+                          span: int | None = None, dtype=jnp.bfloat16) -> int | None:
     """`prefill_chunk` as the prefill runs it: None -> `choose_prefill_chunk`; 0 or "one-pass"
     -> None (one pass over the prompt; a sparse prefill's whole prompt in one chunk); an
     int >= 1 as given."""
     if chunk is None:
-        return choose_prefill_chunk(config, batch, prompt_len, tile=tile, free_bytes=free_bytes)
+        return choose_prefill_chunk(config, batch, prompt_len, tile=tile, free_bytes=free_bytes,
+                                    span=span, dtype=dtype)
     if isinstance(chunk, str) and chunk == ONE_PASS or (
             isinstance(chunk, int) and not isinstance(chunk, bool) and chunk == 0):
         return None
@@ -240,6 +275,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
     if plan.selector is not None and plan.selector.score == "quest_bound":
         cache = cache.replace(state=method_state.empty_page_bounds(cache))
     c = model.config
+    rolled = B * chunk >= ROLLED_MIN_TOKENS
     last = jnp.zeros((B, c.hidden_size), model.dtype)
     sums = (jnp.zeros((c.num_layers, B, c.num_heads, c.head_dim), jnp.float32),
             jnp.zeros((c.num_layers, B, c.num_kv_heads, c.head_dim), jnp.float32))
@@ -251,7 +287,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
         num = jnp.clip(lengths - start, 0, chunk)
         h, cache, chunk_sums = extend_layers(model, cache, embed(model, tokens),
                                              jnp.full((B,), start, jnp.int32), num,
-                                             sums=resa_prior, plan=plan, rolled=True)
+                                             sums=resa_prior, plan=plan, rolled=rolled)
         cache = cache.replace(lengths=jnp.minimum(lengths, start + chunk))
         here = (lengths - 1) // chunk == index      # the row's last prompt token is here
         at = jnp.clip(lengths - 1 - start, 0, chunk - 1)
