@@ -105,7 +105,9 @@ def test_chosen_chunk():
     assert ext.choose_prefill_chunk(CFG, 3, 2000, tile=48, free_bytes=0) == 48
     # the largest power of two whose step (activations and attention buffers over the span)
     # takes at most 1/ACTIVATION_SHARE of the free memory
-    step = lambda chunk: ext.ACTIVATION_SHARE * ext.prefill_step_bytes(CFG, 2, chunk, 5000)  # noqa: E731
+    def step(chunk):
+        return ext.ACTIVATION_SHARE * ext.prefill_step_bytes(CFG, 2, chunk, 5000)
+
     assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=step(512)) == 512
     assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=step(512) - 1) == 256
     # the attention's buffers grow with the positions it reads: a longer span, a smaller chunk
@@ -225,7 +227,9 @@ def test_max_batch_counts_the_prefill(monkeypatch):
 
     context, f32 = 256, jnp.dtype(jnp.float32)
     plan = dense_plan(SHALLOW, 16)
-    need = lambda b, free: program_bytes_at(SHALLOW, b, context, context, plan, f32, free)  # noqa: E731
+    def need(batch, free):
+        return program_bytes_at(SHALLOW, batch, context, context, plan, f32, free)
+
     # the chunk is chosen from what the cache leaves free: near 1 MB, the smallest
     free = (need(5, 10**6) + need(6, 10**6)) // 2
     assert need(5, free) <= free < need(6, free)
