@@ -724,7 +724,7 @@ def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: in
                    plan: SparsePlan | None = None):
     """XLA's memory analysis of a jitted `prefill` of `batch` prompts of `prompt_len` tokens,
     `chunk` tokens a step, into a donated cache of `capacity` tokens per row (compiled, not
-    run; the chunk loop and its layer loop are rolled, so this compiles one layer). Returns
+    run; steps of `extend.ROLLED_MIN_TOKENS` or more compile one layer). Returns
     (temporaries, outputs not aliased to the donated cache) in bytes: what the prefill needs
     beside the weights and the cache (a chunk's activations and attention buffers)."""
     from sparsejax.plan import dense_plan
