@@ -68,7 +68,8 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
     m = S.method(method, config, context)
     plan = sparsejax.plan.as_plan(m, config, None)
     prompt = context - NEW_TOKENS
-    capacity = prompt + NEW_TOKENS - 1
+    # generate pads the prompt to its length bucket: the cache it allocates holds that
+    capacity = sparsejax.bucket_length(prompt) + NEW_TOKENS - 1
     row_bytes = kv.kv_bytes(config, 1, capacity, page_size=plan.page_size, dtype=jnp.bfloat16)
     arithmetic = (limit_bytes - weights) // row_bytes
     t = time.time()
@@ -83,6 +84,7 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
         ids = rng.integers(0, config.vocab_size, (batch, prompt)).astype(np.int32)
         t = time.time()
         following = min(batch - 1, int(batch * 0.98))
+        error = None
         try:
             out = sparsejax.generate(model, ids, max_new_tokens=NEW_TOKENS, method=m,
                                      eos_token_id=())
@@ -99,7 +101,9 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
             if not out_of_memory(e):
                 raise
             result = "out of memory"
-        attempts.append(dict(batch=batch, result=result, seconds=round(time.time() - t, 1)))
+            error = str(e)[:600]   # XLA's own account of what it asked for
+        attempts.append(dict(batch=batch, result=result, seconds=round(time.time() - t, 1),
+                             **({} if error is None else dict(error=error))))
         print(f"  context {context} {method} batch {batch}: {result}", file=sys.stderr,
               flush=True)
         return result == "ran", following
@@ -116,7 +120,8 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
                                               dtype=jnp.bfloat16)
     peak = stats.get("peak_bytes_in_use")
     target = weights + 1.05 * cache + 3 * GIB
-    return dict(context=context, method=method, largest_batch=ran, max_batch=answer,
+    return dict(context=context, method=method, device=device.device_kind,
+                jax_version=jax.__version__, largest_batch=ran, max_batch=answer,
                 arithmetic_limit=int(arithmetic),
                 of_arithmetic=None if ran is None else round(ran / max(arithmetic, 1), 3),
                 cached_tokens=None if ran is None else ran * capacity,
@@ -135,6 +140,8 @@ def main():
     p.add_argument("--probe-up", action="store_true", help="also try one row more than ran")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no cell after this many seconds (default 330 with --quick)")
+    p.add_argument("--cell-timeout-s", type=float, default=None,
+                   help="stop a cell's process after this many seconds (it is then skipped)")
     p.add_argument("--cell", help="internal: run one CONTEXT,METHOD and print its row")
     args = p.parse_args()
     if args.cell:
@@ -156,36 +163,57 @@ def main():
             continue
         cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", f"{context},{method}"]
         cmd += ["--smoke"] * args.smoke + ["--probe-up"] * args.probe_up
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE,
+                                  timeout=args.cell_timeout_s)
+        except subprocess.TimeoutExpired as e:
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            print(err[-3000:], file=sys.stderr)
+            skipped.append(dict(context=context, method=method,
+                                reason=f"stopped after {args.cell_timeout_s:.0f} s: {err[-600:]}"))
+            write(rows, skipped, t0, args)
+            continue
         found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
         if proc.returncode or not found:
             print(proc.stderr[-3000:], file=sys.stderr)
             skipped.append(dict(context=context, method=method,
                                 reason=f"exit {proc.returncode}: {proc.stderr[-300:]}"))
+            write(rows, skipped, t0, args)
             continue
         row = json.loads(found[-1])
         rows.append(row)
+        write(rows, skipped, t0, args)
         peak = row["peak_bytes"]
         print(f"{context:7d} {method:11s} batch {row['largest_batch']} (max_batch "
               f"{row['max_batch']}, arithmetic {row['arithmetic_limit']}, "
               f"{row['of_arithmetic']}) peak "
               f"{'-' if peak is None else f'{peak / GIB:.1f}'} GiB (target "
               f"{row['target_bytes'] / GIB:.1f}) in {row['seconds']:.0f} s", flush=True)
-    import jax
+    doc = write(rows, skipped, t0, args)
+    if args.smoke:
+        print(json.dumps(doc)[:2000])
+        return 0 if rows and not skipped else 1
+    return 0
 
-    doc = dict(device=jax.devices()[0].device_kind, jax_version=jax.__version__,
+
+def write(rows, skipped, t0, args) -> dict:
+    """The results so far -> results/capacity.json (and $OUT/capacity.json), after every cell:
+    a run stopped from outside keeps the cells it finished. The device and JAX version are
+    the cells' own (this process never starts the GPU: its context would take memory from
+    the cells)."""
+    first = rows[0] if rows else {}
+    doc = dict(device=first.get("device"), jax_version=first.get("jax_version"),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                model="llama-8b shapes, random bf16 weights", new_tokens=NEW_TOKENS,
                rows=rows, skipped=skipped, seconds=round(time.time() - t0, 1))
     if args.smoke:
-        print(json.dumps(doc)[:2000])
-        return 0 if rows and not skipped else 1
+        return doc
     path = HERE / "results" / "capacity.json"
     path.write_text(json.dumps(doc, indent=1))
     if os.environ.get("OUT"):
         (Path(os.environ["OUT"]) / "capacity.json").write_text(json.dumps(doc, indent=1))
-    print(f"wrote {path}")
-    return 0
+    print(f"wrote {path}", flush=True)
+    return doc
 
 
 if __name__ == "__main__":

@@ -56,7 +56,18 @@ def generate_row(model, batch: int, context: int, method: str, max_new: int, chu
     compiled = lowered.compile()
     t2 = time.perf_counter()
     return dict(case=f"generate {method}", batch=batch, context=context, max_new_tokens=max_new,
-                prefill_chunk=chunk, lower_s=t1 - t0, compile_s=t2 - t1, **_memory(compiled))
+                prefill_chunk=chunk, lower_s=t1 - t0, compile_s=t2 - t1,
+                custom_calls=custom_calls(compiled), **_memory(compiled))
+
+
+def custom_calls(compiled) -> dict:
+    """Custom calls (cuDNN attention, Pallas kernels) in the optimized program, by target:
+    what the compile has to build, and so what grows with unrolled loops."""
+    import collections
+    import re
+
+    found = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+    return dict(collections.Counter(found).most_common(8))
 
 
 def step_row(model, batch: int, context: int, method: str) -> dict:

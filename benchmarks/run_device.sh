@@ -11,6 +11,8 @@
 #          by bench_tensor_parallel.py --merge), fidelity and calibration (benchmarks/fidelity.py's measurements
 #          of the embedded model, below), memory (benchmarks/memory_probe.py: each program's
 #          memory analysis and cache-sized copies, compiled from shapes, a few minutes),
+#          compile (benchmarks/bench_compile.py: generate's and the decode step's compile
+#          seconds and memory analysis from shapes; COMPILE_ARGS= adds flags),
 #          capacity (the largest batch generate runs per context and method, --quick by
 #          default: about 6 minutes; CAPACITY_ARGS= replaces the flags), peer-capacity
 #          (jax-llm-examples' Llama 3 decode_step at the same shapes; PEER_LLAMA3= its llama3/
@@ -125,6 +127,7 @@ for s in "${steps[@]}"; do
                  --name tp4) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     memory) cmd=($PY benchmarks/memory_probe.py) ;;
+    compile) cmd=($PY benchmarks/bench_compile.py ${COMPILE_ARGS:-}) ;;
     capacity) cmd=($PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
     peer-capacity) cmd=($PY benchmarks/peers/jax_llm_examples_capacity.py
                         ${PEER_LLAMA3:-build/jax-llm-examples/llama3} --json "$OUT/peer_capacity.json") ;;

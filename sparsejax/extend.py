@@ -5,7 +5,10 @@ it writes their K/V into the cache and attends causally to everything cached bef
 with `paged_prefill_attention`. Chunked prefill is a `lax.scan` of extends over the prompt;
 cache correction re-runs generated tokens with it (dense attention, K/V overwritten).
 
-Layers run in a Python loop with static per-layer parameter slices.
+A prefill step of ROLLED_MIN_TOKENS or more runs the layers as a `lax.scan` over the layer
+index (one layer in the compiled program); smaller steps, short extends (correction,
+verification) and Kascade's sparse prefill, whose layers differ by role, run them in a
+Python loop.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import numpy as np
 
 from sparsejax import cache as kv
 from sparsejax import method_state, resa, selection, sharded_attention
-from sparsejax.models import Model, attention_inputs, embed, finish_layer, layer_params, unembed
-from sparsejax.pallas_kernels import paged_prefill_attention, paged_tile_scores
+from sparsejax.models import (Model, attention_inputs, embed, finish_layer, is_stacked,
+                              layer_params, unembed)
+from sparsejax.pallas_kernels import common, paged_prefill_attention, paged_tile_scores
+from sparsejax.pallas_kernels.prefill_attention import CUDNN_MIN_CHUNK
 from sparsejax.plan import Role, Selection, SparsePlan
 
 
@@ -29,7 +34,8 @@ def held_after(lengths: jax.Array, start: jax.Array, num_tokens: jax.Array) -> j
 
 
 def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax.Array,
-                  num_tokens: jax.Array, *, sums: bool = False, plan: SparsePlan | None = None):
+                  num_tokens: jax.Array, *, sums: bool = False, plan: SparsePlan | None = None,
+                  rolled: bool = False):
     """Every layer for the hidden states h [B, C, H] of tokens at positions start [B] + i,
     the first num_tokens [B] of each row valid (the rest are neither written nor attended).
 
@@ -42,6 +48,11 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     prefill): its SELECT layers attend densely and choose per tile of queries and KV head
     the top keys before the tile (`paged_tile_scores` -> `selection.select_tiles`); its
     REUSE layers attend to those keys, through the head map, plus each tile's own block.
+
+    rolled: run the layers as one `lax.scan` over the layer index (the compiled program holds
+    one layer, whatever the depth) instead of a Python loop (one copy of the layer per
+    layer; what short extends take: a rolled loop reads each layer's weights through a copy,
+    see `_layer_weights`). A sparse prefill, whose layers differ by role, is never rolled.
     """
     c = model.config
     C = h.shape[1]
@@ -53,13 +64,15 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     # invalid tokens point past every layer's pages: the write drops them
     pages = jnp.where(valid, pages, k_flat.shape[0])
     filled = held_after(cache.lengths, start, num_tokens)
-    state, q_sums, k_sums = cache.state, [], []
     tile = None if plan is None else plan.prefill_tile
     head_map = (np.asarray(plan.head_map) if plan is not None and plan.head_map is not None
                 else np.broadcast_to(np.arange(c.num_kv_heads), (c.num_layers, c.num_kv_heads)))
-    sel = None
-    for layer in range(c.num_layers):
-        lp = layer_params(model.params, layer)
+    weight = valid.astype(jnp.float32)
+
+    def layer_step(carry, layer, lp, sel):
+        """One layer (index `layer`: an int, or traced when rolled) -> (carry, its sums, the
+        selection its tiles chose (Kascade's sparse prefill) or None)."""
+        h, k_flat, v_flat, state = carry
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
@@ -75,18 +88,48 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
             attend = sharded_attention.prefill_attention(attend, model.mesh, c)
         with jax.named_scope("attention_prefill"):
             out, selected = attend(q, k_flat, v_flat, mapped, table, start, num_tokens)
-        sel = sel if selected is None else selected
         h = finish_layer(c, lp, h, out)
         if state is not None and state.kmin is not None:
             state = method_state.refresh_page_bounds(state, layer, k_flat, offset,
                                                   cache.page_table, start, filled, C)
+        layer_sums = None
         if sums:
-            weight = valid.astype(jnp.float32)
-            q_sums.append(jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight))
-            k_sums.append(jnp.einsum("bcnd,bc->bnd", k.astype(jnp.float32), weight))
+            layer_sums = (jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight),
+                          jnp.einsum("bcnd,bc->bnd", k.astype(jnp.float32), weight))
+        return (h, k_flat, v_flat, state), layer_sums, selected
+
+    carry = (h, k_flat, v_flat, cache.state)
+    if rolled and tile is None:
+        def body(carry, layer):
+            carry, layer_sums, _ = layer_step(carry, layer,
+                                              _layer_weights(model.params, layer), None)
+            return carry, layer_sums
+
+        carry, stacked_sums = jax.lax.scan(body, carry,
+                                           jnp.arange(c.num_layers, dtype=jnp.int32))
+    else:
+        sel, per_layer = None, []
+        for layer in range(c.num_layers):
+            carry, layer_sums, selected = layer_step(
+                carry, layer, layer_params(model.params, layer), sel)
+            sel = sel if selected is None else selected
+            per_layer.append(layer_sums)
+        stacked_sums = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if sums else None
+    h, k_flat, v_flat, state = carry
     cache = cache.replace(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape),
                           state=state)
-    return h, cache, (jnp.stack(q_sums), jnp.stack(k_sums)) if sums else None
+    return h, cache, stacked_sums
+
+
+def _layer_weights(params, layer: jax.Array):
+    """Layer `layer` (traced)'s weights in a rolled layer loop: an index into the stacked
+    layout, a `lax.switch` over the per-layer one. Either gives the layer's weights as a
+    copy (one layer's bytes of temporaries), which a compute-bound prefill chunk does not
+    notice and a one-token step would (so decode steps and short extends stay unrolled)."""
+    if is_stacked(params):
+        return layer_params(params, layer)
+    layers = params["layers"]
+    return jax.lax.switch(layer, [functools.partial(lambda lp: lp, lp) for lp in layers])
 
 
 def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, plan, capacity):
@@ -107,9 +150,13 @@ def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, p
 
 
 ONE_PASS = "one-pass"
+# Prefill steps of at least this many tokens (rows x chunk) run their layers rolled: each
+# layer's weights are then copied once a step, a few percent of its matmuls' time at this
+# size (less beside long-context attention); smaller steps unroll the layers.
+ROLLED_MIN_TOKENS = 2048
 MAX_PREFILL_CHUNK = 8192   # tokens per row per step: longer chunks add memory, not speed
 MIN_PREFILL_CHUNK = 16     # a batch near the memory's limit leaves little for activations
-ACTIVATION_SHARE = 8       # one prefill step's activations may take 1/8 of the free memory
+ACTIVATION_SHARE = 8       # one prefill step's temporaries may take 1/8 of the free memory
 
 
 def activation_bytes_per_token(config) -> int:
@@ -120,17 +167,45 @@ def activation_bytes_per_token(config) -> int:
                 + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
 
 
+def attention_bytes_per_row(config, chunk: int, span: int, dtype=jnp.bfloat16) -> int:
+    """A generous bound on one row's attention buffers in a dense prefill step of `chunk`
+    queries over `span` cached positions, by the backend `paged_prefill_attention` takes: the
+    reference (no GPU) holds f32 logits, probabilities and mask [HQ, chunk, span] and the
+    gathered K/V in f32; cuDNN (chunks of CUDNN_MIN_CHUNK+ on a GPU) K/V of the positions
+    before the chunk gathered contiguous (a power-of-2 run and the length-masked fallback);
+    the Pallas kernel reads the pages in place (its partials are chunk-sized, counted with
+    the activations)."""
+    c = config
+    if not common.on_gpu():
+        return 4 * span * (3 * chunk * c.num_heads + 2 * c.num_kv_heads * c.head_dim)
+    if chunk >= CUDNN_MIN_CHUNK:
+        return 4 * span * c.num_kv_heads * c.head_dim * jnp.dtype(dtype).itemsize
+    return 0
+
+
+def prefill_step_bytes(config, batch: int, chunk: int, span: int, dtype=jnp.bfloat16) -> int:
+    """A generous bound on one prefill step's temporaries beside the cache: `batch` rows of
+    `chunk` tokens' activations and attention buffers over `span` cached positions."""
+    return batch * (chunk * activation_bytes_per_token(config)
+                    + attention_bytes_per_row(config, chunk, span, dtype))
+
+
 def choose_prefill_chunk(config, batch: int, prompt_len: int, *, tile: int | None = None,
-                         free_bytes: int | None = None) -> int:
+                         free_bytes: int | None = None, span: int | None = None,
+                         dtype=jnp.bfloat16) -> int:
     """Tokens per row per prefill step when the caller leaves it to us: the largest power of
-    two (MIN_PREFILL_CHUNK .. MAX_PREFILL_CHUNK) whose step over `batch` rows keeps its
-    activations within 1/ACTIVATION_SHARE of `free_bytes` (default: what the devices have
-    free now), never more than the prompt (a prompt that short runs in one step). With a
-    sparse prefill's `tile`, a multiple of it."""
+    two (MIN_PREFILL_CHUNK .. MAX_PREFILL_CHUNK) whose step over `batch` rows of `span` cached
+    positions (default: the prompt) keeps its temporaries (`prefill_step_bytes`) within
+    1/ACTIVATION_SHARE of `free_bytes` (default: what the devices have free now), never more
+    than the prompt (a prompt that short runs in one step). With a sparse prefill's `tile`,
+    a multiple of it."""
     free = kv.memory_available() if free_bytes is None else free_bytes
-    tokens = max(free, 0) // (ACTIVATION_SHARE * activation_bytes_per_token(config) * batch)
+    span = prompt_len if span is None else span
+    room = max(free, 0) // ACTIVATION_SHARE
     chunk = MIN_PREFILL_CHUNK
-    while chunk * 2 <= min(tokens, MAX_PREFILL_CHUNK):
+    while (chunk * 2 <= MAX_PREFILL_CHUNK and chunk < prompt_len
+           and prefill_step_bytes(config, batch, min(chunk * 2, prompt_len), span, dtype)
+           <= room):
         chunk *= 2
     if chunk >= prompt_len:
         chunk = prompt_len
@@ -140,12 +215,14 @@ def choose_prefill_chunk(config, batch: int, prompt_len: int, *, tile: int | Non
 
 
 def resolve_prefill_chunk(chunk, config, batch: int, prompt_len: int, *,
-                          tile: int | None = None, free_bytes: int | None = None) -> int | None:
+                          tile: int | None = None, free_bytes: int | None = None,
+                          span: int | None = None, dtype=jnp.bfloat16) -> int | None:
     """`prefill_chunk` as the prefill runs it: None -> `choose_prefill_chunk`; 0 or "one-pass"
     -> None (one pass over the prompt; a sparse prefill's whole prompt in one chunk); an
     int >= 1 as given."""
     if chunk is None:
-        return choose_prefill_chunk(config, batch, prompt_len, tile=tile, free_bytes=free_bytes)
+        return choose_prefill_chunk(config, batch, prompt_len, tile=tile, free_bytes=free_bytes,
+                                    span=span, dtype=dtype)
     if isinstance(chunk, str) and chunk == ONE_PASS or (
             isinstance(chunk, int) and not isinstance(chunk, bool) and chunk == 0):
         return None
@@ -198,6 +275,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
     if plan.selector is not None and plan.selector.score == "quest_bound":
         cache = cache.replace(state=method_state.empty_page_bounds(cache))
     c = model.config
+    rolled = B * chunk >= ROLLED_MIN_TOKENS
     last = jnp.zeros((B, c.hidden_size), model.dtype)
     sums = (jnp.zeros((c.num_layers, B, c.num_heads, c.head_dim), jnp.float32),
             jnp.zeros((c.num_layers, B, c.num_kv_heads, c.head_dim), jnp.float32))
@@ -209,7 +287,7 @@ def chunked_prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array,
         num = jnp.clip(lengths - start, 0, chunk)
         h, cache, chunk_sums = extend_layers(model, cache, embed(model, tokens),
                                              jnp.full((B,), start, jnp.int32), num,
-                                             sums=resa_prior, plan=plan)
+                                             sums=resa_prior, plan=plan, rolled=rolled)
         cache = cache.replace(lengths=jnp.minimum(lengths, start + chunk))
         here = (lengths - 1) // chunk == index      # the row's last prompt token is here
         at = jnp.clip(lengths - 1 - start, 0, chunk - 1)

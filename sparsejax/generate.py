@@ -24,7 +24,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparsejax import cache as kv
 from sparsejax import method_state, sharding, speculative
-from sparsejax.extend import chunked_prefill, correct, resolve_prefill_chunk
+from sparsejax.extend import (choose_prefill_chunk, chunked_prefill, correct,
+                              resolve_prefill_chunk)
 from sparsejax.models import Model, embed, forward, init_params, token_ids, unembed, unstack_layers
 from sparsejax.plan import SparsePlan, as_plan
 from sparsejax.layers import decode_layers, prefill_state
@@ -80,7 +81,8 @@ def prefill(model: Model, cache: kv.PagedKVCache, input_ids: jax.Array, lengths:
 def _prefill(model, cache, input_ids, lengths, plan, chunk=None):
     """`prefill` of valid inputs (on one data shard under a mesh)."""
     B, T = input_ids.shape
-    chunk = resolve_prefill_chunk(chunk, model.config, B, T, tile=plan.prefill_tile)
+    chunk = resolve_prefill_chunk(chunk, model.config, B, T, tile=plan.prefill_tile,
+                                  span=cache.capacity, dtype=cache.k.dtype)
     if chunk is not None or plan.prefill_tile is not None:
         return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
@@ -510,7 +512,8 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
     # the cache is made inside this program: the prefill's share is what it leaves free
     prefill_chunk = resolve_prefill_chunk(
         prefill_chunk, model.config, B, T, tile=plan.prefill_tile,
-        free_bytes=kv.memory_available() - kv.cache_bytes(cache))
+        free_bytes=kv.memory_available() - kv.cache_bytes(cache), span=capacity,
+        dtype=model.dtype)
     if prefill_chunk is None:
         prefill_chunk = 0
     logits, cache = _prefill(model, cache, input_ids, lengths, plan, prefill_chunk)
@@ -715,8 +718,42 @@ def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
     return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
 
 
+@functools.lru_cache(maxsize=32)
+def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: int,
+                   page_size: int = 16, dtype=jnp.bfloat16, kv_copies: int = 1,
+                   plan: SparsePlan | None = None):
+    """XLA's memory analysis of a jitted `prefill` of `batch` prompts of `prompt_len` tokens,
+    `chunk` tokens a step, into a donated cache of `capacity` tokens per row (compiled, not
+    run; steps of `extend.ROLLED_MIN_TOKENS` or more compile one layer). Returns
+    (temporaries, outputs not aliased to the donated cache) in bytes: what the prefill needs
+    beside the weights and the cache (a chunk's activations and attention buffers)."""
+    from sparsejax.plan import dense_plan
+
+    plan = dense_plan(config, page_size) if plan is None else plan
+    model = _abstract_model(config, jnp.dtype(dtype))
+    cache = jax.eval_shape(functools.partial(
+        kv.allocate, config, batch, capacity, page_size=plan.page_size, dtype=model.dtype,
+        kv_copies=kv_copies, check_memory=False))
+    ids = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    fill = jax.jit(functools.partial(_prefill, plan=plan, chunk=chunk), donate_argnums=1)
+    m = fill.lower(model, cache, ids, lengths).compile().memory_analysis()
+    return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+
+
 def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies) -> int:
-    return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies))
+    """What a cache allocated for the step API needs beside itself: the larger of its
+    prefill's temporaries (a prompt filling it, the chunk chosen from the free memory) and
+    its donated decode step's (the decode step's alone for a cache laid out for a mesh,
+    whose prefill runs per device)."""
+    from sparsejax.plan import dense_plan
+
+    if kv_copies != 1:
+        return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies))
+    plan = dense_plan(config, page_size)
+    cache = kv.kv_bytes(config, batch, capacity, page_size=page_size, dtype=dtype)
+    return program_bytes_at(config, batch, capacity, capacity, plan, dtype,
+                            kv.memory_available()) - cache
 
 
 kv.register_step_temporaries(_step_temporaries)
@@ -734,9 +771,11 @@ def _device_free(device) -> int:
 def max_batch(config, context: int, *, dtype=jnp.bfloat16, device=None, method=None,
               page_size: int | None = None, free_bytes: int | None = None) -> int:
     """How many rows of `context` tokens (prompt + generated) fit on `device` (default: the
-    first) beside what is already on it (load the model first): the largest batch whose cache
-    and donated decode step (XLA's memory analysis of the compiled step, with `method`'s
-    state) fit in its free memory (`free_bytes` overrides it). The answer `allocate` accepts."""
+    first) beside what is already on it (load the model first): the largest batch whose cache,
+    with the larger of its prefill's temporaries (a prompt of `context` tokens in the chunks
+    `generate` would choose) and its donated decode step's (XLA's memory analysis of each
+    compiled program, with `method`'s state), fits in its free memory (`free_bytes` overrides
+    it). The answer `allocate` and `generate` accept."""
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r}: expected an int >= 1 (tokens per row)")
     plan = as_plan(method, config, page_size)
@@ -745,11 +784,25 @@ def max_batch(config, context: int, *, dtype=jnp.bfloat16, device=None, method=N
     row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype)
     if row > free:
         return 0
-    need_at = lambda b: (kv.kv_bytes(config, b, context, page_size=plan.page_size,  # noqa: E731
-                                     dtype=dtype)
-                         + sum(decode_step_memory(config, b, context, plan.page_size, dtype, 1,
-                                                  plan)))
-    return kv.largest_fitting(need_at, free, free // row)
+    return kv.largest_fitting(
+        lambda b: program_bytes_at(config, b, context, context, plan, dtype, free), free,
+        free // row)
+
+
+def program_bytes_at(config, batch: int, prompt_len: int, capacity: int, plan: SparsePlan,
+                     dtype, free: int, kv_copies: int = 1) -> int:
+    """Bytes a generate of `batch` rows x `capacity` tokens needs beside the weights: its cache,
+    then the larger of the prefill's temporaries (in the chunk `generate` chooses with `free`
+    bytes free) and the donated decode step's (XLA's memory analysis of each program)."""
+    cache = kv.kv_bytes(config, batch, capacity, page_size=plan.page_size, dtype=dtype,
+                        kv_copies=kv_copies)
+    chunk = choose_prefill_chunk(config, batch, prompt_len, tile=plan.prefill_tile,
+                                 free_bytes=free - cache, span=capacity, dtype=dtype)
+    step = sum(decode_step_memory(config, batch, capacity, plan.page_size, dtype, kv_copies,
+                                  plan))
+    fill = sum(prefill_memory(config, batch, prompt_len, capacity, chunk, plan.page_size,
+                              dtype, kv_copies, plan))
+    return cache + max(step, fill)
 
 
 def _shapes_key(args, static):

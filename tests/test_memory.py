@@ -17,7 +17,7 @@ from sparsejax import cache as kv
 from sparsejax import extend as ext
 from sparsejax import methods
 from sparsejax.generate import _abstract_cache, _generate, _prepare, decode_step
-from sparsejax.models import ModelConfig, init_params
+from sparsejax.models import ModelConfig, init_params, unstack_layers
 from sparsejax.plan import as_plan
 
 from small_model import CFG, LENGTHS
@@ -73,24 +73,36 @@ def test_prefill_chunk_updates_the_donated_cache_in_place(deep):
     assert temp_bytes(compiled) < size / 2
 
 
-def test_generate_holds_one_cache():
-    """generate's cache lives inside the program: one cache of its temporaries. A second copy
-    (the one-pass prefill's stacked K/V, the old default; a copy around the loop) takes it
-    past two.
+@pytest.mark.parametrize("layers", ["unrolled", "rolled"])
+def test_generate_holds_one_cache(monkeypatch, layers):
+    """generate's cache lives inside the program: one cache of its temporaries, with the
+    prefill's layers unrolled (small steps) or rolled into a scan nested in the chunk scan
+    (large steps). A second copy (the one-pass prefill's stacked K/V, the old default; a copy
+    around a loop) takes it past two.
     12 layers and chunks of 16: the CPU reference attention's per-layer [chunk, context]
-    temporaries stay a small share. (Correction and speculative rounds measure the same,
-    1.68 caches; benchmarks/memory_probe.py checks them on the GPU.)"""
+    temporaries stay a small share (1.58 caches unrolled, 1.25 rolled). (Correction and
+    speculative rounds measure about the same; benchmarks/memory_probe.py checks them on the
+    GPU.)"""
+    from sparsejax.generate import _generate_rows
+
     config = ModelConfig(model_type="llama", vocab_size=101, hidden_size=64, num_layers=12,
                          num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96)
     model = sparsejax.Model(config, init_params(config, jax.random.key(0), std=0.1))
     ids = jnp.zeros((4, 192), jnp.int32)
-    size = kv.kv_bytes(config, 4, 192 + 63, dtype=jnp.float32)
+    # the prompt pads to its length bucket, 256: 256 + 63 tokens a row
+    size = kv.kv_bytes(config, 4, 256 + 63, dtype=jnp.float32)
+    if layers == "rolled":
+        monkeypatch.setattr(ext, "ROLLED_MIN_TOKENS", 1)
     args, static = _prepare(model, ids, max_new_tokens=64, prefill_chunk=16)
-    assert temp_bytes(_generate.lower(*args, **static).compile()) < 2 * size       # 1.68
+    # a fresh jit: the rolled choice is read when the program is traced
+    program = jax.jit(functools.partial(_generate_rows, **static))
+    assert temp_bytes(program.lower(*args).compile()) < 2 * size
+    if layers == "rolled":
+        return
     # negative control: the one-pass prefill (the default before) holds every layer's prompt
     # K/V beside the cache
     args, static = _prepare(model, ids, max_new_tokens=64, prefill_chunk="one-pass")
-    assert temp_bytes(_generate.lower(*args, **static).compile()) >= 2 * size      # 3.54
+    assert temp_bytes(_generate.lower(*args, **static).compile()) >= 2 * size      # 2.8
 
 
 # ---- prefill in chunks by default ------------------------------------------------------------
@@ -103,8 +115,15 @@ def test_chosen_chunk():
     assert ext.choose_prefill_chunk(CFG, 3, 200, free_bytes=0) == ext.MIN_PREFILL_CHUNK
     assert ext.choose_prefill_chunk(CFG, 3, 200, tile=48, free_bytes=big) == 240
     assert ext.choose_prefill_chunk(CFG, 3, 2000, tile=48, free_bytes=0) == 48
-    per_row = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
-    assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=per_row * 2 * 700) == 512
+    # the largest power of two whose step (activations and attention buffers over the span)
+    # takes at most 1/ACTIVATION_SHARE of the free memory
+    def step(chunk):
+        return ext.ACTIVATION_SHARE * ext.prefill_step_bytes(CFG, 2, chunk, 5000)
+
+    assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=step(512)) == 512
+    assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=step(512) - 1) == 256
+    # the attention's buffers grow with the positions it reads: a longer span, a smaller chunk
+    assert ext.choose_prefill_chunk(CFG, 2, 5000, free_bytes=step(512), span=20000) < 512
     assert ext.resolve_prefill_chunk("one-pass", CFG, 1, 9) is None
     assert ext.resolve_prefill_chunk(0, CFG, 1, 9) is None
     for bad in (-1, 2.5, "chunks", True):
@@ -115,21 +134,36 @@ def test_chosen_chunk():
 prefill = jax.jit(sparsejax.prefill, static_argnames=("plan", "chunk"))
 
 
-@pytest.mark.parametrize("method", [None, methods.Quest(page_size=16, token_budget=32),
-                                    methods.RESA(methods.DELTA().scaled_to(6))],
-                         ids=["dense", "quest", "resa"])
-def test_default_chunked_prefill_equals_one_pass(model, prompts, monkeypatch, method):
+QUEST = methods.Quest(page_size=16, token_budget=32)
+RESA = methods.RESA(methods.DELTA().scaled_to(6))
+
+
+@pytest.mark.parametrize("method, layers", [
+    (None, "unrolled"), (QUEST, "unrolled"), (RESA, "unrolled"),
+    (None, "rolled, per-layer"), (QUEST, "rolled, per-layer"), (RESA, "rolled, per-layer"),
+    (None, "rolled, stacked")],
+    ids=["dense", "quest", "resa", "dense-rolled", "quest-rolled", "resa-rolled",
+         "dense-rolled-stacked"])
+def test_default_chunked_prefill_equals_one_pass(model, prompts, monkeypatch, method, layers):
     """With little free memory the default prefill runs the ragged prompts (200, 150 and 93
     tokens: one shorter than a chunk, none a multiple of it) in chunks of 128: logits, the
-    cache's valid K/V and the method state (Quest's bounds, RESA's prior) equal one pass's."""
-    per_token = ext.ACTIVATION_SHARE * ext.activation_bytes_per_token(CFG)
-    monkeypatch.setattr(kv, "memory_available", lambda: 3 * 128 * per_token)
-    assert ext.choose_prefill_chunk(CFG, 3, prompts.shape[1]) == 128
+    cache's valid K/V and the method state (Quest's bounds, RESA's prior) equal one pass's,
+    with the layers unrolled (steps this small) or rolled into a scan (larger steps; weights
+    picked per layer from either layout)."""
+    free = ext.ACTIVATION_SHARE * ext.prefill_step_bytes(CFG, 3, 128, 256)
+    monkeypatch.setattr(kv, "memory_available", lambda: free)
+    assert ext.choose_prefill_chunk(CFG, 3, prompts.shape[1], span=256) == 128
+    if layers.startswith("rolled"):
+        monkeypatch.setattr(ext, "ROLLED_MIN_TOKENS", 1)
+    if layers == "rolled, per-layer":
+        model = sparsejax.Model(CFG, unstack_layers(model.params))
     plan = as_plan(method, CFG, None)
     empty = kv.allocate(CFG, 3, 256, page_size=plan.page_size, dtype=jnp.float32,
                         check_memory=False)
     want, want_cache = prefill(model, empty, prompts, LENGTHS, plan=plan, chunk="one-pass")
-    got, cache = prefill(model, empty, prompts, LENGTHS, plan=plan)
+    # a fresh jit: the rolled choice is read when the prefill is traced
+    fill = jax.jit(functools.partial(sparsejax.prefill, plan=plan))
+    got, cache = fill(model, empty, prompts, LENGTHS)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
     np.testing.assert_array_equal(np.asarray(cache.lengths), LENGTHS)
     P = plan.page_size
@@ -193,3 +227,35 @@ def test_generate_refuses_what_does_not_fit(monkeypatch):
         run(ids)
     out = run(ids[:4])
     assert out.tokens.shape == (4, 28)
+
+
+def test_max_batch_counts_the_prefill(monkeypatch):
+    """max_batch counts the prefill's temporaries (here the CPU reference attention's, far
+    larger than the cache) beside the cache, not only the decode step's: its answer is the
+    batch whose whole generate program (one memory analysis of everything it runs) fits, and
+    generate refuses one row more."""
+    from sparsejax.generate import _program_bytes, decode_step_memory, program_bytes_at
+    from sparsejax.plan import dense_plan
+
+    context, f32 = 256, jnp.dtype(jnp.float32)
+    plan = dense_plan(SHALLOW, 16)
+    def need(batch, free):
+        return program_bytes_at(SHALLOW, batch, context, context, plan, f32, free)
+
+    # the chunk is chosen from what the cache leaves free: near 1 MB, the smallest
+    free = (need(5, 10**6) + need(6, 10**6)) // 2
+    assert need(5, free) <= free < need(6, free)
+    assert sparsejax.max_batch(SHALLOW, context, dtype=f32, free_bytes=free) == 5
+    # counting the decode step alone would have taken a sixth row
+    assert (kv.kv_bytes(SHALLOW, 6, context, dtype=f32)
+            + sum(decode_step_memory(SHALLOW, 6, context, 16, f32))) <= free
+    model = sparsejax.Model(SHALLOW, init_params(SHALLOW, jax.random.key(0)))
+    monkeypatch.setattr(kv, "memory_available", lambda: free)
+    monkeypatch.setattr(kv, "_ROOM_TO_SPARE", 10**9)   # compile and check even a small cache
+    ids = np.ones((6, context), np.int32)
+    for batch in (5, 6):
+        args, static = _prepare(model, ids[:batch], max_new_tokens=1)
+        whole = _program_bytes(_generate.lower(*args, **static).compile())
+        assert (whole <= free) == (batch == 5), (batch, whole, free)
+    with pytest.raises(ValueError, match=r"batch=6 rows x 256 tokens.*at most batch=5 rows"):
+        sparsejax.generate(model, ids, max_new_tokens=1)
