@@ -247,12 +247,13 @@ def dequantize(x, scale, dtype=jnp.float32):
     return (x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
-def dequantize_cache(k_pages, v_pages, k_scale, v_scale):
-    """(k_pages, v_pages) as given without scales, else dequantized to float32 (what the
-    references run on)."""
-    if k_scale is None:
-        return k_pages, v_pages
-    return dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
+def gather_pages(pages, scale, index):
+    """pages[index] (the references' gather of [num_pages, HK, P, D] pages); an fp8 cache's
+    dequantized to float32 with scale[index], its scales: only the gathered pages are
+    dequantized (the decode step hands every layer's cache at once)."""
+    if scale is None:
+        return pages[index]
+    return dequantize(pages[index], scale[index])
 
 
 def scale_rows(scale):

@@ -503,7 +503,7 @@ def paged_decode_attention(
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
       (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel dequantizes each K/V tile
       in registers (f32 math, then q's dtype for the dots, as a 16-bit cache's tiles) and is
-      otherwise the same; the reference dequantizes the whole cache first. None: k/v_pages
+      otherwise the same; the reference dequantizes the pages it gathers (f32). None: k/v_pages
       in q's dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
@@ -584,26 +584,25 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
                                      v_scale: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
     """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout
-    (an fp8 cache dequantized first). Unpooled scores are the exact logits as one key block
+    (an fp8 cache dequantized as gathered). Unpooled scores are the exact logits as one key block
     (block_n = T)."""
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
                   pool_scores, k_scale, v_scale)
-    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     max_tokens = page_table.shape[1] * page_size
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
-    def gather(pages):  # -> [B, HK, T, D] f32
-        x = pages[page_table]  # [B, max_pages, HK, P, D]
+    def gather(pages, scale):  # -> [B, HK, T, D] f32 (an fp8 cache dequantized)
+        x = common.gather_pages(pages, scale, page_table)  # [B, max_pages, HK, P, D]
         x = x.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_tokens, head_dim)
         return x.astype(jnp.float32)
 
     valid = jnp.arange(max_tokens)[None, :] < lengths[:, None]  # [B, T]
     active = jnp.ones((num_kv_heads,), bool) if kv_heads is None else kv_heads.astype(bool)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, -1, head_dim)
-    k = gather(k_pages)
-    v = jnp.where(valid[:, None, :, None], gather(v_pages), 0.0)
+    k = gather(k_pages, k_scale)
+    v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scale), 0.0)
     hp = lax.Precision.HIGHEST
     logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=hp) * sm_scale
     logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)

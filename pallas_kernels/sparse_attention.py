@@ -638,7 +638,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); each gathered
                                              K/V row is dequantized in registers (f32 math,
                                              then q's dtype for the dots); the reference
-                                             dequantizes the whole cache first
+                                             dequantizes the pages it gathers
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
@@ -695,13 +695,12 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
                                       k_scale=None, v_scale=None,
                                       sm_scale=None) -> SparseAttention:
     """Plain-jnp twin of `sparse_decode_attention` (fp32): attended-position mask, masked softmax.
-    Given `logits` replace q.k * sm_scale. An fp8 cache is dequantized first.
+    Given `logits` replace q.k * sm_scale. An fp8 cache is dequantized as gathered.
 
     Pages are visited in chunks sized so that no intermediate exceeds [B, HQ, max_pages*P]
     floats (per stacked query set: q, and mu_Q when prior_query is given).
     """
     common.check_kv_scales(k_pages, v_pages, k_scale, v_scale)
-    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -731,7 +730,7 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
     hi = lax.Precision.HIGHEST
 
     def chunk_logits(pages):  # [B, c] page ids -> [B, S, HK, group, c, P] logits
-        k = k_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        k = common.gather_pages(k_pages, k_scale, pages).astype(jnp.float32)  # [B, c, HK, P, D]
         return jnp.einsum("bshgd,bchpd->bshgcp", qs, k, precision=hi)
 
     if logits is None:
@@ -753,7 +752,7 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
 
     def chunk_values(acc, xs):
         pages, w = xs
-        v = v_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        v = common.gather_pages(v_pages, v_scale, pages).astype(jnp.float32)  # [B, c, HK, P, D]
         return acc + jnp.einsum("bshgcp,bchpd->bshgd", w, v, precision=hi), None
 
     out = jnp.zeros((batch, len(queries), kv_heads, group_size, head_dim), jnp.float32)
