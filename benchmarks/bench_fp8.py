@@ -38,7 +38,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # B=64 x 128k: 
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import harness  # noqa: E402
 from bench_decode_attention import CHECK_ROWS, make_paged  # noqa: E402

@@ -212,7 +212,6 @@ def _decode_kernel(
         next_page_ids = block_page_ids(j + 1)
         tok, valid = block_tokens(j)
         slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
-        kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         if quantized:  # fp8 rows times their scales, in registers, as q's dtype for the dots
             load = functools.partial(common.load_dequantized, rows=slot, cols=cols[None, :],
@@ -221,6 +220,7 @@ def _decode_kernel(
             if values:
                 v = load(v_ref, v_scale_ref)
         else:
+            kv_index = (slot[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
@@ -265,9 +265,8 @@ def _decode_kernel(
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,
-                   score, values,
-                   pool_scores, logits_dtype, sm_scale, interpret, block_n, num_splits,
-                   num_warps, num_stages):
+                   score, values, pool_scores, logits_dtype, sm_scale, interpret, block_n,
+                   num_splits, num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -538,19 +537,20 @@ def paged_decode_attention(
         active = max(1, int(np.count_nonzero(np.asarray(kv_heads))))
         kv_heads = jnp.asarray(kv_heads)
     return _paged_decode_attention(
-        q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score, values=bool(values),
-        pool_scores=bool(pool_scores), logits_dtype=logits_dtype, sm_scale=sm_scale,
-        backend=common.choose_backend(backend, unsupported), interpret=interpret,
-        active_kv_heads=active, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages)
+        q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score,
+        values=bool(values), pool_scores=bool(pool_scores), logits_dtype=logits_dtype,
+        sm_scale=sm_scale, backend=common.choose_backend(backend, unsupported),
+        interpret=interpret, active_kv_heads=active, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
     "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
-                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale, backend, interpret,
-                            active_kv_heads, block_n, num_splits, num_warps, num_stages):
+                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale,
+                            backend, interpret, active_kv_heads, block_n, num_splits, num_warps,
+                            num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)

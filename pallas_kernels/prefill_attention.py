@@ -301,8 +301,8 @@ def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_si
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, k_scale,
-                    v_scale, *, tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
-                    num_stages, lookahead):
+                    v_scale, *, tile, sm_scale, interpret, block_q, block_n, num_splits,
+                    num_warps, num_stages, lookahead):
     batch, chunk, q_heads, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
                  interpret)
@@ -385,8 +385,8 @@ def _tile_scores_kernel(
 
 
 def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, k_scale, *, tile,
-                        sm_scale, interpret, block_q, block_n, num_splits, num_warps, num_stages,
-                        lookahead):
+                        sm_scale, interpret, block_q, block_n, num_splits, num_warps,
+                        num_stages, lookahead):
     batch, chunk, _, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
                  interpret)
@@ -592,8 +592,8 @@ def _choose_backend(backend, q, k_pages, indices) -> str:
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
     "num_warps", "num_stages", "lookahead"))
 def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, indices, count,
-                             k_scale, v_scale, *, tile, sm_scale, backend, interpret, block_q, block_n,
-                             num_splits, num_warps, num_stages, lookahead):
+                             k_scale, v_scale, *, tile, sm_scale, backend, interpret, block_q,
+                             block_n, num_splits, num_warps, num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_prefill_attention_reference(
@@ -647,9 +647,9 @@ def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale,
                    k_scale=None, v_scale=None):
     """Dense paged prefill as contiguous attentions merged by LSE: the chunk's queries over
     the chunk's own keys (causal) and over the cache before it (every position < start
-    visible; an fp8 cache's rows dequantized to q's dtype as gathered). attend(q, k, v, q_len, kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ])
-    is the contiguous attention (`_cudnn_attention` on the GPU), q_len = kv_len = None
-    attending every query and key.
+    visible; an fp8 cache's rows dequantized to q's dtype as gathered). attend(q, k, v, q_len,
+    kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ]) is the contiguous attention
+    (`_cudnn_attention` on the GPU), q_len = kv_len = None attending every query and key.
 
     Length masks slow cuDNN down (docs/tuning.md), so full chunks at one shared start that is
     a multiple of the chunk (chunked prefill's) take unmasked calls: causal over the chunk,

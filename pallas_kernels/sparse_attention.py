@@ -449,8 +449,9 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
                      "num_warps", "num_stages", "lookahead", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
                           dense_heads, prior_query, prior_length, k_scale, v_scale,
-                          logits_relative, logits_block_max, *, mode, unit, sm_scale, logits_block_n, block_n,
-                          split_tokens, num_warps, num_stages, lookahead, interpret):
+                          logits_relative, logits_block_max, *, mode, unit, sm_scale,
+                          logits_block_n, block_n, split_tokens, num_warps, num_stages,
+                          lookahead, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, kv_heads, page_size = k_pages.shape[:3]
     max_pages, max_entries = page_table.shape[1], indices.shape[2]
