@@ -49,9 +49,9 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     valid = jnp.arange(C)[None, :] < num_tokens[:, None]
     pages, slots = kv.token_address(cache.page_table, jnp.where(valid, positions, 0),
                                     cache.page_size)
-    k_flat, v_flat = kv.layer_pages(cache.k), kv.layer_pages(cache.v)
+    cached = kv.flat_pages(cache)
     # invalid tokens point past every layer's pages: the write drops them
-    pages = jnp.where(valid, pages, k_flat.shape[0])
+    pages = jnp.where(valid, pages, cached.k.shape[0])
     filled = held_after(cache.lengths, start, num_tokens)
     state, q_sums, k_sums = cache.state, [], []
     tile = None if plan is None else plan.prefill_tile
@@ -63,7 +63,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
-        k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
+        cached = kv.write_token(cached, offset + pages, slots, k, v)
         table = cache.page_table + offset
         role = None if tile is None else plan.roles[layer]
         mapped = None
@@ -74,34 +74,40 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         if model.mesh is not None:
             attend = sharded_attention.prefill_attention(attend, model.mesh, c)
         with jax.named_scope("attention_prefill"):
-            out, selected = attend(q, k_flat, v_flat, mapped, table, start, num_tokens)
+            out, selected = attend(q.astype(kv.query_dtype(cached.k.dtype, q.dtype)), cached,
+                                   mapped, table, start, num_tokens)
         sel = sel if selected is None else selected
-        h = finish_layer(c, lp, h, out)
+        h = finish_layer(c, lp, h, out.astype(h.dtype))
         if state is not None and state.kmin is not None:
-            state = method_state.refresh_page_bounds(state, layer, k_flat, offset,
+            state = method_state.refresh_page_bounds(state, layer, cached, offset,
                                                   cache.page_table, start, filled, C)
-        if sums:
+        if sums:   # RESA's mean key: of the keys as cached
             weight = valid.astype(jnp.float32)
             q_sums.append(jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight))
-            k_sums.append(jnp.einsum("bcnd,bc->bnd", k.astype(jnp.float32), weight))
-    cache = cache.replace(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape),
-                          state=state)
+            k_sums.append(jnp.einsum("bcnd,bc->bnd",
+                                     kv.as_stored(k, cached.k.dtype).astype(jnp.float32), weight))
+    cache = kv.with_pages(cache, cached).replace(state=state)
     return h, cache, (jnp.stack(q_sums), jnp.stack(k_sums)) if sums else None
 
 
-def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, plan, capacity):
-    """One layer's attention of a chunk of queries q [B, C, HQ, D] -> (out [B, C, HQ, D], the
-    selection per tile and KV head when the layer selects (Kascade's sparse prefill), else
-    None). A REUSE layer attends to `sel`, already through its head map."""
+def _attend_chunk(q, pages: kv.KVPages, sel, table, start, num_tokens, *, role, plan,
+                  capacity):
+    """One layer's attention of a chunk of queries q [B, C, HQ, D] over the flattened cache
+    `pages` -> (out [B, C, HQ, D], the selection per tile and KV head when the layer selects
+    (Kascade's sparse prefill), else None). A REUSE layer attends to `sel`, already through
+    its head map."""
     tile = None if plan is None else plan.prefill_tile
+    scales = pages.scales()
     if role == Role.REUSE:
-        return paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens, tile=tile,
-                                       indices=sel.indices, count=sel.count).out, None
-    out, lse = paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens)
+        return paged_prefill_attention(q, pages.k, pages.v, table, start, num_tokens, tile=tile,
+                                       indices=sel.indices, count=sel.count, **scales).out, None
+    out, lse = paged_prefill_attention(q, pages.k, pages.v, table, start, num_tokens, **scales)
     if role not in (Role.SELECT, Role.SELF):   # Kascade's anchors, sparse ones included
         return out, None
     with jax.named_scope("select_tiles"):
-        scores = paged_tile_scores(q, k_pages, table, start, num_tokens, lse, tile=tile)
+        scores = paged_tile_scores(q, pages.k, table, start, num_tokens, lse, tile=tile,
+                                   **({} if pages.k_scale is None else
+                                      dict(k_scale=pages.k_scale)))
         tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
         return out, selection.select_tiles(plan, scores, tile_lo, capacity)
 

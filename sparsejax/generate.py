@@ -200,7 +200,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
              page_size: int | None = None, return_diagnostics: bool = False,
              prefill_chunk: int | None = None, correct_every: int | None = None,
              draft_tokens: int | None = None, mesh=None, logprobs: bool | int = False,
-             pad_token_id: int | None = None, pad_to_bucket: bool = True) -> GenerateOutput:
+             pad_token_id: int | None = None, pad_to_bucket: bool = True,
+             kv_dtype=None) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
     the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
@@ -237,6 +238,10 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     computed.
     `pad_to_bucket`: right-pad the prompts to `bucket_length(T)` tokens (lengths unchanged, so
     no row's output changes) and compile once per bucket rather than per prompt width.
+    `kv_dtype`: what the KV cache stores (`cache.resolve_kv_dtype`): None or "auto" the model's
+    dtype, "bf16", "f32", or "fp8" (float8_e4m3fn with a scale per token and KV head: half a
+    bf16 cache's bytes; every method, lossless mode and the diagnostics then read that cache,
+    dense attention included).
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -250,7 +255,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             page_size=page_size, return_diagnostics=return_diagnostics,
                             prefill_chunk=prefill_chunk, correct_every=correct_every,
                             draft_tokens=draft_tokens, mesh=mesh, logprobs=logprobs,
-                            pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket)
+                            pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket,
+                            kv_dtype=kv_dtype)
     return _run_within_memory(args, static)
 
 
@@ -306,8 +312,10 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
              rng=None, seed=None, page_size=None, return_diagnostics: bool = False,
              prefill_chunk=None, correct_every=None, draft_tokens=None, mesh=None,
-             logprobs=False, pad_token_id=None, pad_to_bucket: bool = True):
+             logprobs=False, pad_token_id=None, pad_to_bucket: bool = True, kv_dtype=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
+    stored = kv.resolve_kv_dtype(kv_dtype, model.dtype)
+    kv_dtype = None if stored == jnp.dtype(model.dtype) else stored.name   # static: hashable
     if eos_token_id is None:
         eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
     eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
@@ -373,7 +381,7 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
                   correct_every=correct_every, draft_tokens=draft_tokens,
-                  top_logprobs=top_logprobs)
+                  top_logprobs=top_logprobs, kv_dtype=kv_dtype)
     return (model, input_ids, lengths, rng), static
 
 
@@ -476,7 +484,7 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
                                              "diagnostics", "prefill_chunk", "correct_every",
-                                             "draft_tokens", "top_logprobs"))
+                                             "draft_tokens", "top_logprobs", "kv_dtype"))
 def _generate(model, input_ids, lengths, rng, **static):
     run = functools.partial(_generate_rows, **static)
     if model.mesh is None:
@@ -494,7 +502,8 @@ def _generate(model, input_ids, lengths, rng, **static):
 
 
 def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-                   diagnostics, prefill_chunk, correct_every, draft_tokens, top_logprobs=None):
+                   diagnostics, prefill_chunk, correct_every, draft_tokens, top_logprobs=None,
+                   kv_dtype=None):
     """`_generate` over the rows of one data shard (all rows without a mesh)."""
     B, T = input_ids.shape
     # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
@@ -504,7 +513,7 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
     # `generate` checks the compiled program's memory (cache and temporaries) before it runs
     cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
                         kv_copies=1 if mesh is None else sharding.kv_copies(model.config, mesh),
-                        check_memory=False)
+                        check_memory=False, kv_dtype=kv_dtype)
     if mesh is not None:
         cache = sharding.constrain(cache, sharding.cache_specs(cache, model.config, mesh), mesh)
     # the cache is made inside this program: the prefill's share is what it leaves free
@@ -685,11 +694,13 @@ def _abstract_model(config, dtype) -> Model:
         init_params(config, jax.random.key(0), dtype))))
 
 
-def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, kv_copies: int):
+def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, kv_copies: int,
+                    kv_dtype=None):
     """Shapes of a cache of `batch` rows x `capacity` tokens holding the plan's method state."""
     c = model.config
     make = functools.partial(kv.allocate, c, batch, capacity, page_size=plan.page_size,
-                             dtype=model.dtype, kv_copies=kv_copies, check_memory=False)
+                             dtype=model.dtype, kv_copies=kv_copies, check_memory=False,
+                             kv_dtype=kv_dtype)
     if plan.selector is None:
         return jax.eval_shape(make)
     width = plan.prefill_tile or 1   # a sparse prefill's chunk is a multiple of its tile
@@ -700,23 +711,26 @@ def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, k
 
 @functools.lru_cache(maxsize=32)
 def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
-                       dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None):
+                       dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None,
+                       kv_dtype=None):
     """XLA's memory analysis of a jitted `decode_step` with the cache donated, at these
-    shapes (compiled, not run). Returns (temporaries, outputs not aliased to the donated cache)
-    in bytes: what the step needs beside its arguments (weights, cache)."""
+    shapes (compiled, not run), for a model of `dtype` over a cache of `kv_dtype`. Returns
+    (temporaries, outputs not aliased to the donated cache) in bytes: what the step needs
+    beside its arguments (weights, cache)."""
     from sparsejax.plan import dense_plan
 
     plan = dense_plan(config, page_size) if plan is None else plan
     model = _abstract_model(config, jnp.dtype(dtype))
-    cache = _abstract_cache(model, batch, capacity, plan, kv_copies)
+    cache = _abstract_cache(model, batch, capacity, plan, kv_copies, kv_dtype)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     step = jax.jit(functools.partial(decode_step, plan=plan), donate_argnums=1)
     m = step.lower(model, cache, tokens).compile().memory_analysis()
     return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies) -> int:
-    return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies))
+def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies, kv_dtype) -> int:
+    return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies,
+                                  kv_dtype=kv_dtype))
 
 
 kv.register_step_temporaries(_step_temporaries)
@@ -732,23 +746,27 @@ def _device_free(device) -> int:
 
 
 def max_batch(config, context: int, *, dtype=jnp.bfloat16, device=None, method=None,
-              page_size: int | None = None, free_bytes: int | None = None) -> int:
+              page_size: int | None = None, free_bytes: int | None = None,
+              kv_dtype=None) -> int:
     """How many rows of `context` tokens (prompt + generated) fit on `device` (default: the
     first) beside what is already on it (load the model first): the largest batch whose cache
-    and donated decode step (XLA's memory analysis of the compiled step, with `method`'s
-    state) fit in its free memory (`free_bytes` overrides it). The answer `allocate` accepts."""
+    (of `kv_dtype`, default the model's `dtype`; "fp8" about halves its bytes) and donated
+    decode step (XLA's memory analysis of the compiled step, with `method`'s state) fit in
+    its free memory (`free_bytes` overrides it). The answer `allocate` accepts."""
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r}: expected an int >= 1 (tokens per row)")
     plan = as_plan(method, config, page_size)
     free = _device_free(device or jax.devices()[0]) if free_bytes is None else free_bytes
     dtype = jnp.dtype(dtype)
-    row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype)
+    kv_dtype = kv.resolve_kv_dtype(kv_dtype, dtype)
+    row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype,
+                      kv_dtype=kv_dtype)
     if row > free:
         return 0
     need_at = lambda b: (kv.kv_bytes(config, b, context, page_size=plan.page_size,  # noqa: E731
-                                     dtype=dtype)
+                                     dtype=dtype, kv_dtype=kv_dtype)
                          + sum(decode_step_memory(config, b, context, plan.page_size, dtype, 1,
-                                                  plan)))
+                                                  plan, kv_dtype)))
     return kv.largest_fitting(need_at, free, free // row)
 
 
@@ -772,7 +790,8 @@ def _run_within_memory(args, static):
                 + (0 if st["draft_tokens"] is None else st["draft_tokens"] + 1))
     plan = st["plan"]
     free = kv.memory_available()
-    cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
+    cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
+                        kv_dtype=st["kv_dtype"])
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
     if traced or kv._ROOM_TO_SPARE * cache <= free:   # inside a jit, or room to spare
         return _generate(*args, **static)
