@@ -1,6 +1,11 @@
 """Plumbing shared by every kernel family: backend choice, the shapes the kernels take, Triton
 compiler params, the tuning convention, the LSE combine, the score rules, the selection group
-each query head reads.
+each query head reads, the dequantization of an fp8 cache.
+
+fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head, slot), the
+scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
+and reads a K or V tile through `load_dequantized`: the fp8 rows and their scales, multiplied
+in registers in f32 (`dequantize`, the one formula, also the references' on the whole cache).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
@@ -46,6 +51,7 @@ BACKENDS = ("auto", "pallas", "reference")
 HEAD_DIMS = (64, 128, 256)
 PAGE_SIZES = (8, 16, 32, 64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the quantized cache's dtype; its scales are float32
 MAX_GROUP = 16  # query heads per KV head: the GQA group fits one 16-row Triton dot
 # SMs assumed where no GPU can be asked (CPU, interpret mode): the GPUs the defaults were
 # tuned on have this many (docs/tuning.md), so the CPU tests see their default knobs.
@@ -180,9 +186,10 @@ def check_power_of_2(name: str, value, lo: int, hi: int) -> None:
         raise ValueError(f"{name}={value!r}: expected a power of 2 in [{lo}, {hi}]")
 
 
-def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
+def check_paged_cache(q, k_pages, v_pages, page_table, k_scale=None, v_scale=None) -> None:
     """Checks every paged kernel needs: q [B, ..., HQ, D] against k/v_pages
-    [num_pages, HK, P, D] and page_table int32 [B, max_pages]."""
+    [num_pages, HK, P, D] (in q's dtype, or fp8 with their scales: `check_kv_scales`) and
+    page_table int32 [B, max_pages]."""
     if k_pages.ndim != 4:
         raise ValueError(f"k_pages.shape={k_pages.shape}: expected "
                          "[num_pages, kv_heads, page_size, head_dim]")
@@ -192,9 +199,11 @@ def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
     _, num_kv_heads, _, k_dim = k_pages.shape
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q.dtype={q.dtype}: expected a floating dtype")
-    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if x.dtype != q.dtype:
-            raise ValueError(f"{name}.dtype={x.dtype}: expected q.dtype={q.dtype}")
+    if not check_kv_scales(k_pages, v_pages, k_scale, v_scale):
+        for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if x.dtype != q.dtype:
+                raise ValueError(f"{name}.dtype={x.dtype}: expected q.dtype={q.dtype} (or "
+                                 f"{FP8} with k_scale and v_scale)")
     if k_dim != head_dim:
         raise ValueError(f"k_pages head_dim={k_dim}: expected q's head_dim={head_dim}")
     if q_heads % num_kv_heads:
@@ -202,6 +211,71 @@ def check_paged_cache(q, k_pages, v_pages, page_table) -> None:
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.dtype != jnp.int32:
         raise ValueError(f"page_table {page_table.dtype}{list(page_table.shape)}: expected "
                          f"int32[{batch}, max_pages]")
+
+
+def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> bool:
+    """Whether the cache is fp8: k/v_pages in float8_e4m3fn with k_scale and v_scale, float32
+    of the pages' shape without head_dim (one scale per (page, KV head, slot)). A ValueError
+    for fp8 pages without scales, scales without fp8 pages, one scale without the other, or
+    a scale of another shape or dtype."""
+    if (k_scale is None) != (v_scale is None):
+        given, missing = ("k_scale", "v_scale") if v_scale is None else ("v_scale", "k_scale")
+        raise ValueError(f"{given}=given with {missing}=None: expected both (an fp8 cache) or "
+                         "neither")
+    for name, pages, scale_name, scale in (("k_pages", k_pages, "k_scale", k_scale),
+                                           ("v_pages", v_pages, "v_scale", v_scale)):
+        expected = f"float32{list(pages.shape[:-1])} ({name}.shape without head_dim)"
+        if scale is None:
+            if pages.dtype == FP8:
+                raise ValueError(f"{name}.dtype={pages.dtype}: expected {scale_name} "
+                                 f"{expected} with an fp8 cache, got {scale_name}=None")
+            continue
+        if pages.dtype != FP8:
+            raise ValueError(f"{scale_name}=given with {name}.dtype={pages.dtype}: expected "
+                             f"{name} in {FP8} (scales go with an fp8 cache) or "
+                             f"{scale_name}=None")
+        if tuple(scale.shape) != tuple(pages.shape[:-1]) or scale.dtype != jnp.float32:
+            raise ValueError(f"{scale_name}={scale.dtype}{list(scale.shape)}: expected "
+                             f"{expected}")
+    return k_scale is not None
+
+
+def dequantize(x, scale, dtype=jnp.float32):
+    """fp8 values x [..., D] and their scales [...] -> x * scale, f32 math, as `dtype`. The one
+    formula of the fp8 cache: kernels apply it to a tile in registers, references to the
+    whole cache."""
+    return (x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
+
+
+def dequantize_cache(k_pages, v_pages, k_scale, v_scale):
+    """(k_pages, v_pages) as given without scales, else dequantized to float32 (what the
+    references run on)."""
+    if k_scale is None:
+        return k_pages, v_pages
+    return dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
+
+
+def scale_rows(scale):
+    """Scales [num_pages, HK, P] -> [num_pages * HK * P] (a free reshape): indexed by the same
+    `cache_row` as the pages viewed as rows; None stays None."""
+    return None if scale is None else scale.reshape(-1)
+
+
+def load_dequantized(ref, scale_ref, rows, cols, row_mask, dtype):
+    """Inside a kernel: rows `rows` [n] x columns `cols` [1, D] of an fp8 cache `ref` viewed
+    as [num_pages * HK * P, D] and their scales from `scale_ref` [num_pages * HK * P],
+    dequantized in registers -> [n, D] in `dtype` (what the dots take: q's dtype). row_mask
+    [n] (None: every row) reads nothing where False; those rows are 0."""
+    at = ref.at[rows[:, None], cols]
+    if row_mask is None:
+        x, scale = plgpu.load(at), plgpu.load(scale_ref.at[rows])
+    else:
+        # A float fill: Pallas-Triton has no integer -> fp8 cast.
+        x = plgpu.load(at, mask=jnp.broadcast_to(row_mask[:, None], (rows.shape[0],
+                                                                     cols.shape[-1])),
+                       other=0.0)
+        scale = plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0)
+    return dequantize(x, scale, dtype)
 
 
 def cache_row(page, head, pos, *, kv_heads: int, page_size: int):

@@ -159,7 +159,8 @@ def _decode_kernel(
     page_table_ref,  # [B, max_pages] int32
     lengths_ref,  # [B] int32
     active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
-    *refs,  # out_ref [B, num_splits, HQ, D] float32 (normalised partial output per split;
+    *refs,  # fp8 cache: k_scale_ref, v_scale_ref [num_pages * HK * P] f32 (a scale per row);
+            # then out_ref [B, num_splits, HQ, D] float32 (normalised partial output per split;
             #   absent without values), lse_ref [B, num_splits, HQ] float32 (partial LSE, -inf
             #   for an empty split), then with a score the logits s - m [B, R, T] in
             #   logits_dtype and m [B, R, num_blocks] float32 per key block: R = HQ, m each
@@ -174,7 +175,9 @@ def _decode_kernel(
     max_tokens: int,
     score: Score | None,
     values: bool,
+    quantized: bool,
 ):
+    k_scale_ref, v_scale_ref, *refs = refs if quantized else (None, None, *refs)
     out_ref, lse_ref, *logits_refs = refs if values else (None, *refs)
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     head_dim = q_ref.shape[-1]
@@ -211,9 +214,16 @@ def _decode_kernel(
         slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
         kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
-        k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
-        if values:
-            v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
+        if quantized:  # fp8 rows times their scales, in registers, as q's dtype for the dots
+            load = functools.partial(common.load_dequantized, rows=slot, cols=cols[None, :],
+                                     row_mask=valid, dtype=q.dtype)
+            k = load(k_ref, k_scale_ref)
+            if values:
+                v = load(v_ref, v_scale_ref)
+        else:
+            k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
+            if values:
+                v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so m_new is finite.
@@ -254,7 +264,8 @@ def _decode_kernel(
                 jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf), mask=row_valid)
 
 
-def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, values,
+def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,
+                   score, values,
                    pool_scores, logits_dtype, sm_scale, interpret, block_n, num_splits,
                    num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
@@ -278,7 +289,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
     kernel = functools.partial(
         _decode_kernel, sm_scale=sm_scale, group=group, kv_heads=kv_heads,
         page_size=page_size, block_n=block_n, num_splits=num_splits, max_tokens=max_tokens,
-        score=score, values=values)
+        score=score, values=values, quantized=k_scale is not None)
+    scales = () if k_scale is None else (common.scale_rows(k_scale), common.scale_rows(v_scale))
     parts = common.pallas_call(
         kernel,
         grid=(batch, kv_heads, num_splits),
@@ -287,7 +299,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, *, score, v
         interpret=interpret,
         name=f"paged_decode_{'attention' if values else 'scores'}_{block_n=}_{num_splits=}",
     )(q, k_rows, v_rows, page_table, lengths,
-      jnp.ones((kv_heads,), jnp.int32) if active is None else active.astype(jnp.int32))
+      jnp.ones((kv_heads,), jnp.int32) if active is None else active.astype(jnp.int32),
+      *scales)
 
     if values:
         out_part, lse_part, *logits = parts
@@ -402,7 +415,7 @@ def as_score(score) -> Score | None:
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values=True,
-                  pool_scores=True):
+                  pool_scores=True, k_scale=None, v_scale=None):
     """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
     score = as_score(score)
     if not pool_scores and score not in UNPOOLED_SCORES:
@@ -414,7 +427,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, val
                          "score=None")
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape}: expected [batch, q_heads, head_dim]")
-    common.check_paged_cache(q, k_pages, v_pages, page_table)
+    common.check_paged_cache(q, k_pages, v_pages, page_table, k_scale, v_scale)
     batch = q.shape[0]
     num_kv_heads = k_pages.shape[1]
     if lengths.shape != (batch,) or lengths.dtype != jnp.int32:
@@ -450,6 +463,8 @@ def paged_decode_attention(
     values: bool = True,
     pool_scores: bool = True,
     kv_heads: jax.Array | None = None,  # [HK] bool
+    k_scale: jax.Array | None = None,  # [num_pages, HK, P] f32 with an fp8 cache
+    v_scale: jax.Array | None = None,
     sm_scale: float | None = None,
     logits_dtype=None,
     backend: str = "auto",
@@ -485,6 +500,11 @@ def paged_decode_attention(
       never round-trips through memory. `LogitRows.scores()` is the pooled array. Positions
       >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
       (`topk_select` by its `valid`).
+    k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
+      (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel dequantizes each K/V tile
+      in registers (f32 math, then q's dtype for the dots, as a 16-bit cache's tiles) and is
+      otherwise the same; the reference dequantizes the whole cache first. None: k/v_pages
+      in q's dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
       takes the max over the computed heads). None computes every head. A concrete mask
@@ -506,7 +526,7 @@ def paged_decode_attention(
       `default_tuning`.
     """
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
-                  pool_scores)
+                  pool_scores, k_scale, v_scale)
     score = as_score(score)
     logits_dtype = logits_dtype_for(q.dtype, logits_dtype)
     # Resolve "auto" here, outside jit, so that the jit cache is keyed on the backend used.
@@ -518,7 +538,7 @@ def paged_decode_attention(
         active = max(1, int(np.count_nonzero(np.asarray(kv_heads))))
         kv_heads = jnp.asarray(kv_heads)
     return _paged_decode_attention(
-        q, k_pages, v_pages, page_table, lengths, kv_heads, score=score, values=bool(values),
+        q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score, values=bool(values),
         pool_scores=bool(pool_scores), logits_dtype=logits_dtype, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         active_kv_heads=active, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
@@ -528,8 +548,8 @@ def paged_decode_attention(
 @functools.partial(jax.jit, static_argnames=(
     "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
     "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
-def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, *, score,
-                            values, pool_scores, logits_dtype, sm_scale, backend, interpret,
+def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
+                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale, backend, interpret,
                             active_kv_heads, block_n, num_splits, num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
@@ -538,6 +558,7 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
         return paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths,
                                                 score=score, values=values,
                                                 pool_scores=pool_scores, kv_heads=kv_heads,
+                                                k_scale=k_scale, v_scale=v_scale,
                                                 sm_scale=sm_scale)
     tuning = default_tuning(q.shape[0], active_kv_heads or k_pages.shape[1], q.shape[2],
                             k_pages.shape[2], page_table.shape[1], q.dtype,
@@ -547,7 +568,8 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     tuning = common.resolve_tuning(tuning, block_n=block_n, num_splits=num_splits,
                                    num_warps=num_warps, num_stages=num_stages)
     _check_tuning(**tuning)
-    return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, score=score,
+    return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
+                          v_scale, score=score,
                           values=values, pool_scores=pool_scores, logits_dtype=logits_dtype,
                           sm_scale=sm_scale,
                           interpret=common.resolve_interpret(interpret), **tuning)
@@ -558,11 +580,15 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
                                      score: Score | None = None, values: bool = True,
                                      pool_scores: bool = True,
                                      kv_heads: jax.Array | None = None,
+                                     k_scale: jax.Array | None = None,
+                                     v_scale: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
-    """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout.
-    Unpooled scores are the exact logits as one key block (block_n = T)."""
+    """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout
+    (an fp8 cache dequantized first). Unpooled scores are the exact logits as one key block
+    (block_n = T)."""
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
-                  pool_scores)
+                  pool_scores, k_scale, v_scale)
+    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     max_tokens = page_table.shape[1] * page_size
@@ -618,6 +644,7 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
 @functools.partial(jax.jit, static_argnames=("score", "sm_scale"))
 def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: Score,
                          kv_heads: jax.Array | None = None,
+                         k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                          sm_scale: float | None = None) -> jax.Array:
     """Per element of `score`'s scores, the most float16 logits (`logits_dtype`) may move it
     from the reference, on top of float32 rounding. A head's s - m rounds to within 2^-11
@@ -630,10 +657,12 @@ def float16_logits_bound(q, k_pages, v_pages, page_table, lengths, *, score: Sco
     _, num_kv_heads, page_size, _ = k_pages.shape
     if score == Score.MEAN_QUERY:
         ref = paged_decode_attention_reference(*args, score=score, kv_heads=kv_heads,
+                                               k_scale=k_scale, v_scale=v_scale,
                                                sm_scale=sm_scale)
         lse = ref.lse.reshape(batch, num_kv_heads, -1).mean(axis=-1)
         return jnp.where(jnp.isfinite(ref.scores), 2.0**-11 * (lse[..., None] - ref.scores), 0.0)
     probs = paged_decode_attention_reference(*args, score=Score.HEAD_PROBS, kv_heads=kv_heads,
+                                             k_scale=k_scale, v_scale=v_scale,
                                              sm_scale=sm_scale).scores
     positive = probs > 0
     probs = jnp.where(positive, probs, 1.0)

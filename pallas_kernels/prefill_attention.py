@@ -126,11 +126,16 @@ def _page_ids(page_table_ref, b, pos, valid, page_size):
                       other=0)
 
 
-def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size):
+def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size, scale_ref=None,
+                dtype=None):
     """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at positions `pos` (on
     `pages`) of KV head h. Masked gathers read nothing where not `valid`; valid=None reads
-    every row without a mask."""
+    every row without a mask. With `scale_ref` (an fp8 cache's scales) the rows are
+    dequantized in registers to `dtype`, q's."""
     slot = common.cache_row(pages, h, pos, kv_heads=kv_heads, page_size=page_size)
+    if scale_ref is not None:
+        return common.load_dequantized(ref, scale_ref, slot, jnp.arange(ref.shape[-1])[None, :],
+                                       valid, dtype)
     at = ref.at[slot[:, None], jnp.arange(ref.shape[-1])[None, :]]
     return plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0)
 
@@ -167,14 +172,15 @@ def _prefill_kernel(
     start_ref,  # [B] int32 position of each row's first query
     lengths_ref,  # [B] int32 valid queries per row
     *refs,  # sparse: cache rows [B, T, HK, K] int32 (`_selected_rows`), count [B, T, HK]
-    #          int32; then the outputs
+    #          int32; fp8 cache: k and v scales [num_pages * HK * P] f32; then the outputs
     sparse: bool,
+    quantized: bool,
     st: _Static,
 ):
-    if sparse:
-        cache_rows_ref, count_ref, out_ref, lse_ref = refs
-    else:
-        out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
+    refs = list(refs)
+    cache_rows_ref, count_ref = (refs.pop(0), refs.pop(0)) if sparse else (None, None)
+    k_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    out_ref, lse_ref = refs  # [S, B * C * HQ, D] f32, [S, B * C * HQ] f32
     chunk, group, kv_heads, page_size, block_q, block_n, tile, num_splits = (
         st.chunk, st.group, st.kv_heads, st.page_size, st.block_q, st.block_n, st.tile,
         st.num_splits)
@@ -232,9 +238,14 @@ def _prefill_kernel(
         slot = j * block_n + jnp.arange(block_n)
         at = plgpu.load(cache_rows_ref.at[b, t, h, slot], mask=slot < count, other=-1)
         valid = at >= 0
-        kv_at = (at[:, None], cols[None, :])
-        k = plgpu.load(k_ref.at[kv_at], mask=valid[:, None], other=0)
-        v = plgpu.load(v_ref.at[kv_at], mask=valid[:, None], other=0)
+        if quantized:
+            load = functools.partial(common.load_dequantized, rows=at, cols=cols[None, :],
+                                     row_mask=valid, dtype=q.dtype)
+            k, v = load(k_ref, k_scale_ref), load(v_ref, v_scale_ref)
+        else:
+            kv_at = (at[:, None], cols[None, :])
+            k = plgpu.load(k_ref.at[kv_at], mask=valid[:, None], other=0)
+            v = plgpu.load(v_ref.at[kv_at], mask=valid[:, None], other=0)
         return _softmax_step(q, k, v, valid[None, :], acc, m, l, scale=scale, dot=dot)
 
     def attend(j, carry, masked: bool):
@@ -243,8 +254,9 @@ def _prefill_kernel(
         # Masked: nothing outside the stream is read (unwritten slots stay unread).
         rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
                                     valid=valid if masked else None, kv_heads=kv_heads,
-                                    page_size=page_size)
-        k, v = rows_at(k_ref), rows_at(v_ref)  # [block_n, D]
+                                    page_size=page_size, dtype=q.dtype)
+        k = rows_at(k_ref, scale_ref=k_scale_ref)  # [block_n, D]
+        v = rows_at(v_ref, scale_ref=v_scale_ref)
         keep = None
         if masked:
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
@@ -288,8 +300,8 @@ def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_si
                                             page_size=page_size), -1)
 
 
-def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, *,
-                    tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
+def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, k_scale,
+                    v_scale, *, tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
                     num_stages, lookahead):
     batch, chunk, q_heads, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
@@ -299,10 +311,13 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
     q_rows = q.reshape(-1, head_dim)
     k_rows = k_pages.reshape(-1, head_dim)
     v_rows = v_pages.reshape(-1, head_dim)
-    kernel = functools.partial(_prefill_kernel, sparse=sparse, st=st)
+    quantized = k_scale is not None
+    kernel = functools.partial(_prefill_kernel, sparse=sparse, quantized=quantized, st=st)
     extra = ((_selected_rows(indices, count, page_table, start, tile=tile,
                              kv_heads=st.kv_heads, page_size=st.page_size), count)
              if sparse else ())
+    if quantized:
+        extra = (*extra, common.scale_rows(k_scale), common.scale_rows(v_scale))
     out_part, lse_part = common.pallas_call(
         kernel,
         grid=(batch, st.kv_heads, common.cdiv(chunk, block_q) * num_splits),
@@ -325,11 +340,13 @@ def _tile_scores_kernel(
     start_ref,  # [B] int32
     lengths_ref,  # [B] int32
     lse_ref,  # [B * C * HQ] f32: each query's log-sum-exp over everything it attends to
-    _,  # the zeros that scores_ref aliases
-    scores_ref,  # [B, tiles, HK, max_pages * P rounded up to block_n] f32, atomic adds
-    *,
+    *refs,  # fp8 cache: k_scale_ref [num_pages * HK * P] f32; then the zeros that
+            # scores_ref aliases, scores_ref [B, tiles, HK, max_pages * P rounded up to
+            # block_n] f32 (atomic adds)
+    quantized: bool,
     st: _Static,
 ):
+    k_scale_ref, _, scores_ref = refs if quantized else (None, *refs)
     b, h, split, first, _, _, length, row_valid, q_row, q = _program(q_ref, lengths_ref, st)
     kv_heads, page_size, block_n, num_splits = st.kv_heads, st.page_size, st.block_n, st.num_splits
     # Base 2; padded rows get lse +inf, so their probabilities are 0 without a row mask.
@@ -351,7 +368,7 @@ def _tile_scores_kernel(
     def body(j, ahead, masked: bool):
         (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
         k = _cache_rows(k_ref, pages, h, pos, valid if masked else None, kv_heads=kv_heads,
-                        page_size=page_size)
+                        page_size=page_size, scale_ref=k_scale_ref, dtype=q.dtype)
         # Keys as the dot's rows: the sum over queries is then along the accumulator's rows
         # (within a warp), not across the warps that split the query rows.
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
@@ -367,24 +384,25 @@ def _tile_scores_kernel(
     lax.fori_loop(full, end, functools.partial(body, masked=True), carry)
 
 
-def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
-                        interpret, block_q, block_n, num_splits, num_warps, num_stages,
+def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, k_scale, *, tile,
+                        sm_scale, interpret, block_q, block_n, num_splits, num_warps, num_stages,
                         lookahead):
     batch, chunk, _, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
                  interpret)
     span = page_table.shape[1] * st.page_size
     shape = (batch, common.cdiv(chunk, tile), st.kv_heads, common.cdiv(span, block_n) * block_n)
+    scales = () if k_scale is None else (common.scale_rows(k_scale),)
     return common.pallas_call(
-        functools.partial(_tile_scores_kernel, st=st),
+        functools.partial(_tile_scores_kernel, quantized=k_scale is not None, st=st),
         grid=(batch, st.kv_heads, common.cdiv(chunk, block_q) * num_splits),
         out_shape=jax.ShapeDtypeStruct(shape, jnp.float32),
-        input_output_aliases={6: 0},
+        input_output_aliases={6 + len(scales): 0},
         compiler_params=common.triton_params(num_warps, num_stages),
         interpret=interpret,
         name=f"paged_tile_scores_{block_q=}_{block_n=}_{num_splits=}",
     )(q.reshape(-1, head_dim), k_pages.reshape(-1, head_dim), page_table, start, lengths,
-      lse.reshape(-1).astype(jnp.float32), jnp.zeros(shape, jnp.float32))[..., :span]
+      lse.reshape(-1).astype(jnp.float32), *scales, jnp.zeros(shape, jnp.float32))[..., :span]
 
 
 def default_tuning(batch: int, chunk: int, q_heads: int, kv_heads: int, head_dim: int,
@@ -451,11 +469,12 @@ def _tuning(q, k_pages, page_table, tile, given, sparse: bool = False) -> dict:
     return tuning
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile):
+def _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile,
+                  k_scale=None, v_scale=None):
     """Structure every path needs; the kernel's own limits are `common.pallas_support`'s."""
     if q.ndim != 4:
         raise ValueError(f"q.shape={q.shape}: expected [batch, chunk, q_heads, head_dim]")
-    common.check_paged_cache(q, k_pages, v_pages, page_table)
+    common.check_paged_cache(q, k_pages, v_pages, page_table, k_scale, v_scale)
     batch, chunk = q.shape[:2]
     num_kv_heads = k_pages.shape[1]
     for name, x in (("start", start), ("lengths", lengths)):
@@ -488,6 +507,8 @@ def paged_prefill_attention(
     indices: jax.Array | None = None,  # [B, ceil(C / tile), HK, K] int32
     count: jax.Array | None = None,  # [B, ceil(C / tile), HK] int32
     tile: int = 128,
+    k_scale: jax.Array | None = None,  # [num_pages, HK, P] f32 with an fp8 cache
+    v_scale: jax.Array | None = None,
     sm_scale: float | None = None,
     backend: str = "auto",
     interpret: bool | None = None,
@@ -513,6 +534,10 @@ def paged_prefill_attention(
     plus its own causal block (start[b] + t * tile up to the query's position). Entries
     need not be sorted but must be unique.
 
+    k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
+      (page, KV head, slot), shaped k_pages.shape[:-1]. The Pallas kernel dequantizes each
+      K/V tile in registers (f32 math, then q's dtype for the dots); cuDNN gets the gathered
+      rows dequantized to q's dtype; the reference dequantizes the whole cache first.
     backend: "auto" (on a GPU cuDNN for dense bf16/f16 chunks of at least CUDNN_MIN_CHUNK
       queries, else Pallas; the reference elsewhere) | "pallas" | "cudnn" (dense bf16/f16 on
       a GPU) | "reference". The Pallas kernel takes what `common.pallas_support` allows
@@ -523,9 +548,11 @@ def paged_prefill_attention(
     block_q, block_n, num_splits, num_warps, num_stages, lookahead: static knobs of the
       Pallas path; None picks `default_tuning`. block_q must divide `tile`.
     """
-    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile)
+    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile,
+                  k_scale, v_scale)
     return _paged_prefill_attention(
-        q, k_pages, v_pages, page_table, start, lengths, indices, count, tile=tile,
+        q, k_pages, v_pages, page_table, start, lengths, indices, count, k_scale, v_scale,
+        tile=tile,
         sm_scale=sm_scale, backend=_choose_backend(backend, q, k_pages, indices),
         interpret=interpret, block_q=block_q, block_n=block_n, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, lookahead=lookahead)
@@ -565,23 +592,24 @@ def _choose_backend(backend, q, k_pages, indices) -> str:
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
     "num_warps", "num_stages", "lookahead"))
 def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, indices, count,
-                             *, tile, sm_scale, backend, interpret, block_q, block_n,
+                             k_scale, v_scale, *, tile, sm_scale, backend, interpret, block_q, block_n,
                              num_splits, num_warps, num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_prefill_attention_reference(
             q, k_pages, v_pages, page_table, start, lengths, indices=indices, count=count,
-            tile=tile, sm_scale=sm_scale)
+            tile=tile, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale)
     if backend == "cudnn":
         return _prefill_split(q, k_pages, v_pages, page_table, start, lengths,
-                              sm_scale=sm_scale, attend=_cudnn_attention)
+                              sm_scale=sm_scale, attend=_cudnn_attention, k_scale=k_scale,
+                              v_scale=v_scale)
     if indices is None:  # dense: one tile holds every query block
         tile = common.next_power_of_2(max(q.shape[1], block_q or 1, 512))
     tuning = _tuning(q, k_pages, page_table, tile, dict(
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, lookahead=lookahead), sparse=indices is not None)
     return _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count,
-                           tile=tile, sm_scale=sm_scale,
+                           k_scale, v_scale, tile=tile, sm_scale=sm_scale,
                            interpret=common.resolve_interpret(interpret), **tuning)
 
 
@@ -601,19 +629,25 @@ def _cudnn_attention(q, k, v, q_len, kv_len, *, causal: bool, sm_scale: float):
     return out, lse.transpose(0, 2, 1)
 
 
-def _gather_positions(pages, page_table, pos, limit):
+def _gather_positions(pages, page_table, pos, limit, scale=None, dtype=None):
     """pages [num_pages, HK, P, D] at logical positions pos [B, T] -> [B, T, HK, D]; 0 at
-    positions >= limit [B] (never-written slots may hold anything, NaN included)."""
+    positions >= limit [B] (never-written slots may hold anything, NaN included). With
+    `scale` (an fp8 cache's [num_pages, HK, P]) the gathered rows are dequantized to
+    `dtype`."""
     page_size = pages.shape[2]
     at = jnp.clip(pos, 0, page_table.shape[1] * page_size - 1)
-    rows = pages[jnp.take_along_axis(page_table, at // page_size, axis=1), :, at % page_size]
+    at_page = jnp.take_along_axis(page_table, at // page_size, axis=1)
+    rows = pages[at_page, :, at % page_size]
+    if scale is not None:
+        rows = common.dequantize(rows, scale[at_page, :, at % page_size], dtype)
     return jnp.where((pos < limit[:, None])[..., None, None], rows, 0)
 
 
-def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale, attend):
+def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale, attend,
+                   k_scale=None, v_scale=None):
     """Dense paged prefill as contiguous attentions merged by LSE: the chunk's queries over
     the chunk's own keys (causal) and over the cache before it (every position < start
-    visible). attend(q, k, v, q_len, kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ])
+    visible; an fp8 cache's rows dequantized to q's dtype as gathered). attend(q, k, v, q_len, kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ])
     is the contiguous attention (`_cudnn_attention` on the GPU), q_len = kv_len = None
     attending every query and key.
 
@@ -632,7 +666,8 @@ def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale,
         """(out, lse) of the queries over positions pos [B, S]: the first kv_len of them,
         by cuDNN's length mask when masked; a row without keys gives out 0 and lse -inf."""
         limit = pos[:, 0] + kv_len
-        k, v = (_gather_positions(p, page_table, pos, limit) for p in (k_pages, v_pages))
+        k, v = (_gather_positions(p, page_table, pos, limit, scale, q.dtype)
+                for p, scale in ((k_pages, k_scale), (v_pages, v_scale)))
         lens = (q_len, kv_len) if masked else (None, None)
         out, lse = attend(q, k, v, *lens, causal=causal, sm_scale=sm_scale)
         empty = (kv_len == 0)[:, None, None]
@@ -674,6 +709,7 @@ def paged_tile_scores(
     lse: jax.Array,  # [B, C, HQ] f32, from `paged_prefill_attention`
     *,
     tile: int = 128,
+    k_scale: jax.Array | None = None,  # [num_pages, HK, P] f32 with an fp8 cache
     sm_scale: float | None = None,
     backend: str = "auto",
     interpret: bool | None = None,
@@ -692,14 +728,16 @@ def paged_tile_scores(
     The probabilities are exp(q.k * sm_scale - lse) with `lse` each query's log-sum-exp over
     everything it attends to (the dense prefill's), so they are the dense attention's. The
     kernel is the prefill kernel's loop without the PV dot, adding each key block's column
-    sums into the output with atomics. Backends and knobs as `paged_prefill_attention`.
+    sums into the output with atomics. Backends, knobs and `k_scale` (an fp8 cache's K scales;
+    no V is read) as `paged_prefill_attention`.
     """
-    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile, k_scale,
+                  k_scale)
     if lse.shape != q.shape[:3]:
         raise ValueError(f"lse.shape={lse.shape}: expected q.shape[:3]={q.shape[:3]}")
     unsupported = common.pallas_support(q[:, 0], k_pages)
     return _paged_tile_scores(
-        q, k_pages, page_table, start, lengths, lse, tile=tile, sm_scale=sm_scale,
+        q, k_pages, page_table, start, lengths, lse, k_scale, tile=tile, sm_scale=sm_scale,
         backend=common.choose_backend(backend, unsupported), interpret=interpret,
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, lookahead=lookahead)
@@ -708,17 +746,17 @@ def paged_tile_scores(
 @functools.partial(jax.jit, static_argnames=(
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
     "num_warps", "num_stages", "lookahead"))
-def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, *, tile, sm_scale,
-                       backend, interpret, block_q, block_n, num_splits, num_warps,
+def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, k_scale, *, tile,
+                       sm_scale, backend, interpret, block_q, block_n, num_splits, num_warps,
                        num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse,
-                                           tile=tile, sm_scale=sm_scale)
+                                           tile=tile, k_scale=k_scale, sm_scale=sm_scale)
     tuning = _tuning(q, k_pages, page_table, tile, dict(
         block_q=block_q, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
         num_stages=num_stages, lookahead=lookahead))
-    return _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, tile=tile,
+    return _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, k_scale, tile=tile,
                                sm_scale=sm_scale, interpret=common.resolve_interpret(interpret),
                                **tuning)
 
@@ -727,9 +765,14 @@ def _paged_tile_scores(q, k_pages, page_table, start, lengths, lse, *, tile, sm_
 def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, lengths, *,
                                       indices: jax.Array | None = None,
                                       count: jax.Array | None = None, tile: int = 128,
+                                      k_scale: jax.Array | None = None,
+                                      v_scale: jax.Array | None = None,
                                       sm_scale: float | None = None) -> PrefillAttention:
-    """Plain-jnp twin of `paged_prefill_attention`: gathers the pages, fp32 math throughout."""
-    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile)
+    """Plain-jnp twin of `paged_prefill_attention`: gathers the pages, fp32 math throughout
+    (an fp8 cache dequantized first)."""
+    _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile,
+                  k_scale, v_scale)
+    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, chunk, q_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     span = page_table.shape[1] * page_size
@@ -778,9 +821,14 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, le
 
 @functools.partial(jax.jit, static_argnames=("tile", "sm_scale"))
 def paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse, *,
-                                tile: int = 128, sm_scale: float | None = None) -> jax.Array:
-    """Plain-jnp twin of `paged_tile_scores`, fp32 throughout."""
-    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile)
+                                tile: int = 128, k_scale: jax.Array | None = None,
+                                sm_scale: float | None = None) -> jax.Array:
+    """Plain-jnp twin of `paged_tile_scores`, fp32 throughout (an fp8 cache dequantized
+    first)."""
+    _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile, k_scale,
+                  k_scale)
+    if k_scale is not None:
+        k_pages = common.dequantize(k_pages, k_scale)
     batch, chunk, q_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     span = page_table.shape[1] * page_size

@@ -223,8 +223,11 @@ def _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, span, *, r
     return _QueryRows(r, is_q, is_prior, head, cols, qs, row_limit)
 
 
-def _gather(rows_ref, row, pos, cols):
-    """One step's K or V tile ([block_n, D]; zero where nothing is attended)."""
+def _gather(rows_ref, scale_ref, row, pos, cols, dtype):
+    """One step's K or V tile ([block_n, D]; zero where nothing is attended): as stored, or
+    with `scale_ref` (an fp8 cache) dequantized in registers to `dtype`, q's."""
+    if scale_ref is not None:
+        return common.load_dequantized(rows_ref, scale_ref, row, cols, pos >= 0, dtype)
     tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (pos.shape[0], cols.shape[1]))
     return plgpu.load(rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
 
@@ -265,7 +268,7 @@ def _online_softmax(queries: _QueryRows, s, v, pos, acc, m, l):
 
 
 def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
-                   given: _GivenLogits | None, *, scale, lookahead):
+                   k_scale_ref, v_scale_ref, given: _GivenLogits | None, *, scale, lookahead):
     """Online softmax over the split's steps -> (acc, m, l). The lookups run `lookahead` steps
     ahead of the K/V gathers (see the module docstring): step i issues its K (or given
     logits) and V loads first, then the page lookup of step i+1 and, with lookahead 2, the
@@ -276,11 +279,12 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
             row, pos = stream.coords(i, stream.entries(i))
         else:
             row, pos = ahead[:2]
+        dtype = queries.qs.dtype
         if given is None:
-            k = _gather(k_rows_ref, row, pos, queries.cols)
+            k = _gather(k_rows_ref, k_scale_ref, row, pos, queries.cols, dtype)
         else:
             s = given.load(stream.b, queries, pos)
-        v = _gather(v_rows_ref, row, pos, queries.cols)
+        v = _gather(v_rows_ref, v_scale_ref, row, pos, queries.cols, dtype)
         if lookahead == 1:
             ahead = list(stream.coords(i + 1, stream.entries(i + 1)))
         elif lookahead == 2:
@@ -337,6 +341,7 @@ def _sparse_decode_kernel(
     has_dense: bool,
     has_prior: bool,
     has_prior_bound: bool,
+    quantized: bool,
     logits_block_n: int | None,
     unit: int,
     kv_heads: int,
@@ -354,6 +359,10 @@ def _sparse_decode_kernel(
     dense_ref = refs.pop(0) if has_dense else None  # [HK] bool
     prior_query_ref = refs.pop(0) if has_prior else None  # [B, HQ, D]
     prior_length_ref = refs.pop(0) if has_prior_bound else None  # [B] int32
+    # fp8 cache: a float32 scale per cache row [num_pages * HK * P]; no K scale with given
+    # logits (no K is read)
+    k_scale_ref = refs.pop(0) if quantized and logits_block_n is None else None
+    v_scale_ref = refs.pop(0) if quantized else None
     given = None
     if logits_block_n is not None:  # [B, HQ, T] relative logits, [B, HQ, NB] block maxes
         given = _GivenLogits(refs.pop(0), refs.pop(0), logits_block_n)
@@ -372,7 +381,8 @@ def _sparse_decode_kernel(
     queries = _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, stream.span,
                             rows=1 if mode == "q" else num_heads // kv_heads, block_h=block_h,
                             has_prior=has_prior, has_prior_bound=has_prior_bound)
-    acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref, given,
+    acc, m, l = _attend_stream(stream, queries, k_rows_ref, v_rows_ref, k_scale_ref,
+                               v_scale_ref, given,
                                scale=sm_scale * common.LOG2E,  # online softmax in base 2
                                lookahead=lookahead)
     _write(queries, acc, m, l, b, split, out_ref, lse_ref, prior_out_ref, prior_lse_ref,
@@ -438,8 +448,8 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     static_argnames=("mode", "unit", "sm_scale", "logits_block_n", "block_n", "split_tokens",
                      "num_warps", "num_stages", "lookahead", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
-                          dense_heads, prior_query, prior_length, logits_relative,
-                          logits_block_max, *, mode, unit, sm_scale, logits_block_n, block_n,
+                          dense_heads, prior_query, prior_length, k_scale, v_scale,
+                          logits_relative, logits_block_max, *, mode, unit, sm_scale, logits_block_n, block_n,
                           split_tokens, num_warps, num_stages, lookahead, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, kv_heads, page_size = k_pages.shape[:3]
@@ -457,8 +467,11 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
     v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
 
-    optional = [x for x in (head_map, dense_heads, prior_query, prior_length, logits_relative,
-                            logits_block_max) if x is not None]
+    if logits_relative is not None:
+        k_scale = None  # given logits: no K is read
+    optional = [x for x in (head_map, dense_heads, prior_query, prior_length,
+                            common.scale_rows(k_scale), common.scale_rows(v_scale),
+                            logits_relative, logits_block_max) if x is not None]
     out_dtype = q.dtype if direct else jnp.float32
     out_shape = [jax.ShapeDtypeStruct((num_splits, batch, num_heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((num_splits, batch, num_heads), jnp.float32)]
@@ -468,7 +481,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     kernel = functools.partial(
         _sparse_decode_kernel, mode=mode, has_head_map=head_map is not None,
         has_dense=dense_heads is not None, has_prior=has_prior,
-        has_prior_bound=prior_length is not None, logits_block_n=logits_block_n, unit=unit,
+        has_prior_bound=prior_length is not None, quantized=v_scale is not None,
+        logits_block_n=logits_block_n, unit=unit,
         kv_heads=kv_heads,
         page_size=page_size, sm_scale=sm_scale, block_h=block_h, block_n=block_n,
         split_tokens=split_tokens, lookahead=lookahead)
@@ -501,7 +515,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit, head_map,
-                  dense_heads, prior_query, prior_length, logits=None) -> str:
+                  dense_heads, prior_query, prior_length, logits=None, k_scale=None,
+                  v_scale=None) -> str:
     """Validates shapes and dtypes; returns the selection mode: 'kv', 'shared' or 'q'."""
     def expect(ok, name, value, expected):
         if not ok:
@@ -513,7 +528,9 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit
     batch, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     expect(jnp.issubdtype(q.dtype, jnp.floating), "q.dtype", q.dtype, "a floating dtype")
-    expect(k_pages.dtype == q.dtype, "k_pages.dtype", k_pages.dtype, f"q's dtype {q.dtype}")
+    quantized = common.check_kv_scales(k_pages, v_pages, k_scale, v_scale)
+    expect(quantized or k_pages.dtype == q.dtype, "k_pages.dtype", k_pages.dtype,
+           f"q's dtype {q.dtype} (or {common.FP8} with k_scale and v_scale)")
     expect(v_pages.shape == k_pages.shape and v_pages.dtype == k_pages.dtype,
            "v_pages", (v_pages.shape, v_pages.dtype), f"k_pages' {k_pages.shape} {k_pages.dtype}")
     expect(k_pages.shape[3] == head_dim, "k_pages.shape[3]", k_pages.shape[3],
@@ -590,7 +607,8 @@ def _check_tuning(block_n, split_tokens, num_warps, num_stages, lookahead) -> No
 
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, count, *, unit,
                             head_map=None, dense_heads=None, prior_query=None,
-                            prior_length=None, logits=None, sm_scale=None, backend="auto",
+                            prior_length=None, logits=None, k_scale=None, v_scale=None,
+                            sm_scale=None, backend="auto",
                             interpret=None, block_n=None, split_tokens=None, num_warps=None,
                             num_stages=None, lookahead=None) -> SparseAttention:
     """Decode attention of each query head over its selected positions of a paged cache.
@@ -616,6 +634,11 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
                                              the selected positions instead of K (the kernel
                                              then reads no K and sm_scale is unused); not
                                              with prior_query or dense_heads
+    k_scale      [num_pages, HK, P] f32 | None   an fp8 cache (k/v_pages float8_e4m3fn): one
+    v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); each gathered
+                                             K/V row is dequantized in registers (f32 math,
+                                             then q's dtype for the dots); the reference
+                                             dequantizes the whole cache first
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
@@ -627,7 +650,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     `default_tuning`.
     """
     mode = _check_inputs(q, k_pages, v_pages, page_table, lengths, indices, count, unit,
-                         head_map, dense_heads, prior_query, prior_length, logits)
+                         head_map, dense_heads, prior_query, prior_length, logits, k_scale,
+                         v_scale)
     sm_scale = float(1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale)
     if prior_length is lengths:
         # The default bound: every attended position is already < length, so the kernel
@@ -638,7 +662,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
         return sparse_decode_attention_reference(
             q, k_pages, v_pages, page_table, lengths, indices, count, unit=unit,
             head_map=head_map, dense_heads=dense_heads, prior_query=prior_query,
-            prior_length=prior_length, logits=logits, sm_scale=sm_scale)
+            prior_length=prior_length, logits=logits, k_scale=k_scale, v_scale=v_scale,
+            sm_scale=sm_scale)
 
     row_groups = q.shape[0] * (q.shape[1] if mode == "q" else k_pages.shape[1])
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
@@ -658,7 +683,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
         logits_block_n = logits.block_n
     return _sparse_decode_pallas(
         q, k_pages, v_pages, page_table, lengths, indices, count, head_map, dense_heads,
-        prior_query, prior_length, relative, block_max, mode=mode, unit=unit,
+        prior_query, prior_length, k_scale, v_scale, relative, block_max, mode=mode, unit=unit,
         sm_scale=sm_scale, logits_block_n=logits_block_n,
         interpret=common.resolve_interpret(interpret), **tuning)
 
@@ -667,13 +692,16 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
 def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, indices, count,
                                       *, unit, head_map=None, dense_heads=None,
                                       prior_query=None, prior_length=None, logits=None,
+                                      k_scale=None, v_scale=None,
                                       sm_scale=None) -> SparseAttention:
     """Plain-jnp twin of `sparse_decode_attention` (fp32): attended-position mask, masked softmax.
-    Given `logits` replace q.k * sm_scale.
+    Given `logits` replace q.k * sm_scale. An fp8 cache is dequantized first.
 
     Pages are visited in chunks sized so that no intermediate exceeds [B, HQ, max_pages*P]
     floats (per stacked query set: q, and mu_Q when prior_query is given).
     """
+    common.check_kv_scales(k_pages, v_pages, k_scale, v_scale)
+    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
