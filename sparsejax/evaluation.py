@@ -451,7 +451,8 @@ def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
 
 
 def add_parser(sub) -> None:
-    from sparsejax.arguments import positive_int, ratio_list, token_list
+    from sparsejax.arguments import (KV_DTYPE_CHOICES, KV_DTYPE_HELP, positive_int, ratio_list,
+                                     token_list)
 
     p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method",
                        description="Accuracy, attention recall, attention-output error and "
@@ -505,7 +506,7 @@ def add_parser(sub) -> None:
 
 
 def add_draft_tokens_arg(p) -> None:
-    from sparsejax.arguments import KV_DTYPE_CHOICES, KV_DTYPE_HELP, positive_int
+    from sparsejax.arguments import positive_int
 
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens the +spec methods draft per round before the dense verify "
