@@ -235,3 +235,33 @@ def test_generate_and_llm_refuse_a_bad_kv_dtype(embedded, batch):
         sparsejax.generate(embedded, ids, lengths=lengths, max_new_tokens=1, kv_dtype="fp4")
     with pytest.raises(ValueError, match=r"kv_dtype='e4m3': expected None or one of 'auto'"):
         sparsejax.LLM(sparsejax.embedded_model_path(), kv_cache_dtype="e4m3")
+
+
+@pytest.mark.gpu
+def test_fp8_token_write_is_in_place():
+    """The decode step's write into a donated fp8 cache: k/v and their scales updated in place
+    (no cache-sized temporary). On the GPU only: XLA's CPU backend upcasts a float8 (and a
+    bf16) scatter to f16 / f32, a copy of the array per write; its GPU backend scatters them
+    as the bytes they are. (tests/test_memory.py checks the whole f32 step on CPU.)"""
+    L, pages, HK, P, D, B = 4, 64, 2, 16, 64, 4
+    flat = kv.KVPages(jnp.zeros((L * pages, HK, P, D), jnp.float8_e4m3fn),
+                      jnp.zeros((L * pages, HK, P, D), jnp.float8_e4m3fn),
+                      jnp.ones((L * pages, HK, P), jnp.float32),
+                      jnp.ones((L * pages, HK, P), jnp.float32))
+    size = sum(x.size * x.dtype.itemsize for x in flat)
+    args = (flat, jnp.arange(B, dtype=jnp.int32), jnp.zeros((B,), jnp.int32),
+            jnp.ones((B, HK, D), jnp.float32), jnp.ones((B, HK, D), jnp.float32))
+
+    def write_layers(flat, pages, slots, k, v):
+        for layer in range(L):
+            flat = kv.write_token(flat, pages + layer * 64, slots, k * layer, v)
+        return flat
+
+    compiled = jax.jit(write_layers, donate_argnums=0).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes < size / 8
+    assert memory.alias_size_in_bytes >= size
+    # negative control: keeping the old cache alive beside the new one copies it
+    keep = jax.jit(lambda flat, *a: (write_layers(flat, *a), flat.k_scale * 2),
+                   donate_argnums=0).lower(*args).compile()
+    assert keep.memory_analysis().temp_size_in_bytes >= flat.k_scale.size * 4
