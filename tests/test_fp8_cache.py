@@ -265,3 +265,15 @@ def test_fp8_token_write_is_in_place():
     keep = jax.jit(lambda flat, *a: (write_layers(flat, *a), flat.k_scale * 2),
                    donate_argnums=0).lower(*args).compile()
     assert keep.memory_analysis().temp_size_in_bytes >= flat.k_scale.size * 4
+
+
+def test_command_line_generates_over_an_fp8_cache(capsys):
+    """`sparsejax generate --kv-dtype fp8` answers the README's prompt as bf16 does."""
+    from sparsejax import cli
+
+    prompt = ("the special magic number for orca 39 20 34 . leave bird again soon now can high "
+              "wonder snow listen game claim still eat . what is the special magic number for "
+              "orca ? answer : the special magic number for orca")
+    assert cli.main(["generate", "--prompt", prompt, "--method", "delta", "--kv-dtype", "fp8",
+                     "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("39 20 34")
