@@ -2,6 +2,8 @@
 
 `backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere; dense bf16/f16
 prefill chunks of 512+ queries take cuDNN on a GPU (`prefill_attention.CUDNN_MIN_CHUNK`).
+Every paged kernel also reads an fp8 (float8_e4m3fn) cache given its `k_scale`/`v_scale`
+(`common.check_kv_scales`, `common.dequantize`).
 """
 from .decode_attention import (DecodeAttention, LogitRows, paged_decode_attention,
                                paged_decode_attention_reference, pool_logit_rows)

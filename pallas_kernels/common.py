@@ -5,7 +5,8 @@ each query head reads, the dequantization of an fp8 cache.
 fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head, slot), the
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
 and reads a K or V tile through `load_dequantized`: the fp8 rows and their scales, multiplied
-in registers in f32 (`dequantize`, the one formula, also the references' on the whole cache).
+in registers in f32 (`dequantize`, the one formula; the references apply it to the pages
+they gather, `gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
@@ -243,16 +244,17 @@ def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> bool:
 def dequantize(x, scale, dtype=jnp.float32):
     """fp8 values x [..., D] and their scales [...] -> x * scale, f32 math, as `dtype`. The one
     formula of the fp8 cache: kernels apply it to a tile in registers, references to the
-    whole cache."""
+    pages they gather."""
     return (x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
-def dequantize_cache(k_pages, v_pages, k_scale, v_scale):
-    """(k_pages, v_pages) as given without scales, else dequantized to float32 (what the
-    references run on)."""
-    if k_scale is None:
-        return k_pages, v_pages
-    return dequantize(k_pages, k_scale), dequantize(v_pages, v_scale)
+def gather_pages(pages, scale, index):
+    """pages[index] (the references' gather of [num_pages, HK, P, D] pages); an fp8 cache's
+    dequantized to float32 with scale[index], its scales: only the gathered pages are
+    dequantized (the decode step hands every layer's cache at once)."""
+    if scale is None:
+        return pages[index]
+    return dequantize(pages[index], scale[index])
 
 
 def scale_rows(scale):

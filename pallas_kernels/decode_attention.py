@@ -212,7 +212,6 @@ def _decode_kernel(
         next_page_ids = block_page_ids(j + 1)
         tok, valid = block_tokens(j)
         slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
-        kv_index = (slot[:, None], cols[None, :])
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         if quantized:  # fp8 rows times their scales, in registers, as q's dtype for the dots
             load = functools.partial(common.load_dequantized, rows=slot, cols=cols[None, :],
@@ -221,6 +220,7 @@ def _decode_kernel(
             if values:
                 v = load(v_ref, v_scale_ref)
         else:
+            kv_index = (slot[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
@@ -265,9 +265,8 @@ def _decode_kernel(
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,
-                   score, values,
-                   pool_scores, logits_dtype, sm_scale, interpret, block_n, num_splits,
-                   num_warps, num_stages):
+                   score, values, pool_scores, logits_dtype, sm_scale, interpret, block_n,
+                   num_splits, num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -503,7 +502,7 @@ def paged_decode_attention(
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
       (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel dequantizes each K/V tile
       in registers (f32 math, then q's dtype for the dots, as a 16-bit cache's tiles) and is
-      otherwise the same; the reference dequantizes the whole cache first. None: k/v_pages
+      otherwise the same; the reference dequantizes the pages it gathers (f32). None: k/v_pages
       in q's dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
@@ -538,19 +537,20 @@ def paged_decode_attention(
         active = max(1, int(np.count_nonzero(np.asarray(kv_heads))))
         kv_heads = jnp.asarray(kv_heads)
     return _paged_decode_attention(
-        q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score, values=bool(values),
-        pool_scores=bool(pool_scores), logits_dtype=logits_dtype, sm_scale=sm_scale,
-        backend=common.choose_backend(backend, unsupported), interpret=interpret,
-        active_kv_heads=active, block_n=block_n, num_splits=num_splits, num_warps=num_warps,
-        num_stages=num_stages)
+        q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score,
+        values=bool(values), pool_scores=bool(pool_scores), logits_dtype=logits_dtype,
+        sm_scale=sm_scale, backend=common.choose_backend(backend, unsupported),
+        interpret=interpret, active_kv_heads=active, block_n=block_n, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
     "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
-                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale, backend, interpret,
-                            active_kv_heads, block_n, num_splits, num_warps, num_stages):
+                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale,
+                            backend, interpret, active_kv_heads, block_n, num_splits, num_warps,
+                            num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
@@ -584,26 +584,25 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
                                      v_scale: jax.Array | None = None,
                                      sm_scale: float | None = None) -> DecodeAttention:
     """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout
-    (an fp8 cache dequantized first). Unpooled scores are the exact logits as one key block
+    (an fp8 cache dequantized as gathered). Unpooled scores are the exact logits as one key block
     (block_n = T)."""
     _check_inputs(q, k_pages, v_pages, page_table, lengths, score, kv_heads, values,
                   pool_scores, k_scale, v_scale)
-    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, q_heads, head_dim = q.shape
     _, num_kv_heads, page_size, _ = k_pages.shape
     max_tokens = page_table.shape[1] * page_size
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
-    def gather(pages):  # -> [B, HK, T, D] f32
-        x = pages[page_table]  # [B, max_pages, HK, P, D]
+    def gather(pages, scale):  # -> [B, HK, T, D] f32 (an fp8 cache dequantized)
+        x = common.gather_pages(pages, scale, page_table)  # [B, max_pages, HK, P, D]
         x = x.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, max_tokens, head_dim)
         return x.astype(jnp.float32)
 
     valid = jnp.arange(max_tokens)[None, :] < lengths[:, None]  # [B, T]
     active = jnp.ones((num_kv_heads,), bool) if kv_heads is None else kv_heads.astype(bool)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, -1, head_dim)
-    k = gather(k_pages)
-    v = jnp.where(valid[:, None, :, None], gather(v_pages), 0.0)
+    k = gather(k_pages, k_scale)
+    v = jnp.where(valid[:, None, :, None], gather(v_pages, v_scale), 0.0)
     hp = lax.Precision.HIGHEST
     logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=hp) * sm_scale
     logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)

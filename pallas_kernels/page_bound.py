@@ -5,7 +5,9 @@
 for logical page p of row b (physical page = page_table[b, p]), -inf for pages at or past
 ceil(length / page_size). kmin / kmax hold each physical page's element-wise key bounds, f32;
 the decode step hands every layer's bounds as one array with the layer's offset table, as
-it does the cache (a per-layer slice would be copied for the kernel).
+it does the cache (a per-layer slice would be copied for the kernel). With an fp8 cache the
+bounds are those of the dequantized keys (the runtime computes them as it writes the keys),
+so the kernel never sees the fp8 pages or their scales.
 
 Kernel: grid (batch, kv_head, split). Each program walks its share of the row's *valid* page
 blocks through the page table (gathering the bounds' rows straight from [num_pages, HK, D]),

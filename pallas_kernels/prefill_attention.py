@@ -301,8 +301,8 @@ def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_si
 
 
 def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, count, k_scale,
-                    v_scale, *, tile, sm_scale, interpret, block_q, block_n, num_splits, num_warps,
-                    num_stages, lookahead):
+                    v_scale, *, tile, sm_scale, interpret, block_q, block_n, num_splits,
+                    num_warps, num_stages, lookahead):
     batch, chunk, q_heads, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
                  interpret)
@@ -385,8 +385,8 @@ def _tile_scores_kernel(
 
 
 def _tile_scores_pallas(q, k_pages, page_table, start, lengths, lse, k_scale, *, tile,
-                        sm_scale, interpret, block_q, block_n, num_splits, num_warps, num_stages,
-                        lookahead):
+                        sm_scale, interpret, block_q, block_n, num_splits, num_warps,
+                        num_stages, lookahead):
     batch, chunk, _, head_dim = q.shape
     st = _static(q, k_pages, tile, sm_scale, block_q, block_n, num_splits, lookahead,
                  interpret)
@@ -537,7 +537,7 @@ def paged_prefill_attention(
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
       (page, KV head, slot), shaped k_pages.shape[:-1]. The Pallas kernel dequantizes each
       K/V tile in registers (f32 math, then q's dtype for the dots); cuDNN gets the gathered
-      rows dequantized to q's dtype; the reference dequantizes the whole cache first.
+      rows dequantized to q's dtype; the reference dequantizes the pages it gathers (f32).
     backend: "auto" (on a GPU cuDNN for dense bf16/f16 chunks of at least CUDNN_MIN_CHUNK
       queries, else Pallas; the reference elsewhere) | "pallas" | "cudnn" (dense bf16/f16 on
       a GPU) | "reference". The Pallas kernel takes what `common.pallas_support` allows
@@ -592,8 +592,8 @@ def _choose_backend(backend, q, k_pages, indices) -> str:
     "tile", "sm_scale", "backend", "interpret", "block_q", "block_n", "num_splits",
     "num_warps", "num_stages", "lookahead"))
 def _paged_prefill_attention(q, k_pages, v_pages, page_table, start, lengths, indices, count,
-                             k_scale, v_scale, *, tile, sm_scale, backend, interpret, block_q, block_n,
-                             num_splits, num_warps, num_stages, lookahead):
+                             k_scale, v_scale, *, tile, sm_scale, backend, interpret, block_q,
+                             block_n, num_splits, num_warps, num_stages, lookahead):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if backend == "reference":
         return paged_prefill_attention_reference(
@@ -647,9 +647,9 @@ def _prefill_split(q, k_pages, v_pages, page_table, start, lengths, *, sm_scale,
                    k_scale=None, v_scale=None):
     """Dense paged prefill as contiguous attentions merged by LSE: the chunk's queries over
     the chunk's own keys (causal) and over the cache before it (every position < start
-    visible; an fp8 cache's rows dequantized to q's dtype as gathered). attend(q, k, v, q_len, kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ])
-    is the contiguous attention (`_cudnn_attention` on the GPU), q_len = kv_len = None
-    attending every query and key.
+    visible; an fp8 cache's rows dequantized to q's dtype as gathered). attend(q, k, v, q_len,
+    kv_len, causal=, sm_scale=) -> (out, lse [B, T, HQ]) is the contiguous attention
+    (`_cudnn_attention` on the GPU), q_len = kv_len = None attending every query and key.
 
     Length masks slow cuDNN down (docs/tuning.md), so full chunks at one shared start that is
     a multiple of the chunk (chunked prefill's) take unmasked calls: causal over the chunk,
@@ -769,17 +769,16 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, le
                                       v_scale: jax.Array | None = None,
                                       sm_scale: float | None = None) -> PrefillAttention:
     """Plain-jnp twin of `paged_prefill_attention`: gathers the pages, fp32 math throughout
-    (an fp8 cache dequantized first)."""
+    (an fp8 cache dequantized as gathered)."""
     _check_inputs(q, k_pages, v_pages, page_table, start, lengths, indices, count, tile,
                   k_scale, v_scale)
-    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, chunk, q_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     span = page_table.shape[1] * page_size
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
-    def gather(pages):  # -> [B, HK, T, D] f32
-        x = pages[page_table]  # [B, max_pages, HK, P, D]
+    def gather(pages, scale):  # -> [B, HK, T, D] f32 (an fp8 cache dequantized)
+        x = common.gather_pages(pages, scale, page_table)  # [B, max_pages, HK, P, D]
         return x.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim).astype(
             jnp.float32)
 
@@ -808,12 +807,13 @@ def paged_prefill_attention_reference(q, k_pages, v_pages, page_table, start, le
 
     qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
     hp = lax.Precision.HIGHEST
-    logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, gather(k_pages), precision=hp) * sm_scale
+    logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, gather(k_pages, k_scale),
+                        precision=hp) * sm_scale
     logits = jnp.where(attend[:, :, :, None], logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)  # [B, HK, C, G]; -inf for an empty row
     prob = jnp.where(attend[:, :, :, None], jnp.exp(logits - lse[..., None]), 0.0)
     # only attended slots are read: unwritten ones may hold anything (NaN included)
-    v = jnp.where(jnp.any(attend, axis=2)[..., None], gather(v_pages), 0.0)
+    v = jnp.where(jnp.any(attend, axis=2)[..., None], gather(v_pages, v_scale), 0.0)
     out = jnp.einsum("bhcgt,bhtd->bchgd", prob, v, precision=hp)
     return PrefillAttention(out.reshape(q.shape).astype(q.dtype),
                             lse.transpose(0, 2, 1, 3).reshape(batch, chunk, q_heads))
@@ -827,14 +827,13 @@ def paged_tile_scores_reference(q, k_pages, page_table, start, lengths, lse, *,
     first)."""
     _check_inputs(q, k_pages, k_pages, page_table, start, lengths, None, None, tile, k_scale,
                   k_scale)
-    if k_scale is not None:
-        k_pages = common.dequantize(k_pages, k_scale)
     batch, chunk, q_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     span = page_table.shape[1] * page_size
     tiles = common.cdiv(chunk, tile)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    k = k_pages[page_table].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, span, head_dim)
+    k = common.gather_pages(k_pages, k_scale, page_table).transpose(0, 2, 1, 3, 4).reshape(
+        batch, kv_heads, span, head_dim)
     qg = q.astype(jnp.float32).reshape(batch, chunk, kv_heads, -1, head_dim)
     logits = jnp.einsum("bchgd,bhtd->bhcgt", qg, k.astype(jnp.float32),
                         precision=lax.Precision.HIGHEST) * sm_scale

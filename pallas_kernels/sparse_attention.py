@@ -449,8 +449,9 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
                      "num_warps", "num_stages", "lookahead", "interpret"))
 def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, count, head_map,
                           dense_heads, prior_query, prior_length, k_scale, v_scale,
-                          logits_relative, logits_block_max, *, mode, unit, sm_scale, logits_block_n, block_n,
-                          split_tokens, num_warps, num_stages, lookahead, interpret):
+                          logits_relative, logits_block_max, *, mode, unit, sm_scale,
+                          logits_block_n, block_n, split_tokens, num_warps, num_stages,
+                          lookahead, interpret):
     batch, num_heads, head_dim = q.shape
     num_pages, kv_heads, page_size = k_pages.shape[:3]
     max_pages, max_entries = page_table.shape[1], indices.shape[2]
@@ -638,7 +639,7 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); each gathered
                                              K/V row is dequantized in registers (f32 math,
                                              then q's dtype for the dots); the reference
-                                             dequantizes the whole cache first
+                                             dequantizes the pages it gathers
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =
     (prior_lse [B, HQ], prior_out [B, HQ, D]) f32: the softmax of mu_Q . k_j * sm_scale over
@@ -695,13 +696,12 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
                                       k_scale=None, v_scale=None,
                                       sm_scale=None) -> SparseAttention:
     """Plain-jnp twin of `sparse_decode_attention` (fp32): attended-position mask, masked softmax.
-    Given `logits` replace q.k * sm_scale. An fp8 cache is dequantized first.
+    Given `logits` replace q.k * sm_scale. An fp8 cache is dequantized as gathered.
 
     Pages are visited in chunks sized so that no intermediate exceeds [B, HQ, max_pages*P]
     floats (per stacked query set: q, and mu_Q when prior_query is given).
     """
     common.check_kv_scales(k_pages, v_pages, k_scale, v_scale)
-    k_pages, v_pages = common.dequantize_cache(k_pages, v_pages, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -731,7 +731,7 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
     hi = lax.Precision.HIGHEST
 
     def chunk_logits(pages):  # [B, c] page ids -> [B, S, HK, group, c, P] logits
-        k = k_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        k = common.gather_pages(k_pages, k_scale, pages).astype(jnp.float32)  # [B, c, HK, P, D]
         return jnp.einsum("bshgd,bchpd->bshgcp", qs, k, precision=hi)
 
     if logits is None:
@@ -753,7 +753,7 @@ def sparse_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, 
 
     def chunk_values(acc, xs):
         pages, w = xs
-        v = v_pages[pages].astype(jnp.float32)  # [B, c, HK, P, D]
+        v = common.gather_pages(v_pages, v_scale, pages).astype(jnp.float32)  # [B, c, HK, P, D]
         return acc + jnp.einsum("bshgcp,bchpd->bshgd", w, v, precision=hi), None
 
     out = jnp.zeros((batch, len(queries), kv_heads, group_size, head_dim), jnp.float32)

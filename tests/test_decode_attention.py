@@ -8,8 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_checks import lower_for_cuda, max_row_rel_error
+from kernel_checks import (E4M3_MAX, E4M3_REL, E4M3_SUBNORMAL_STEP, fp8_cache, fp8_lse_bound,
+                           lower_for_cuda, max_row_rel_error, quantize_kv)
 from sparsejax.pallas_kernels import LogitRows, topk_select, topk_select_reference
+from sparsejax.pallas_kernels.common import dequantize
 from sparsejax.pallas_kernels.decode_attention import (
     UNPOOLED_SCORES, DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
     paged_decode_attention, paged_decode_attention_reference)
@@ -285,6 +287,10 @@ def test_auto_backend_is_reference_on_cpu():
         np.testing.assert_array_equal(a, b)
 
 
+FP8_CACHE = dict(k_pages=((6, 2, 16, 64), jnp.float8_e4m3fn),
+                 v_pages=((6, 2, 16, 64), jnp.float8_e4m3fn))
+
+
 def _valid_args(**over):
     shapes = dict(q=((2, 8, 64), jnp.bfloat16), k_pages=((6, 2, 16, 64), jnp.bfloat16),
                   v_pages=((6, 2, 16, 64), jnp.bfloat16), page_table=((2, 3), jnp.int32),
@@ -327,6 +333,17 @@ def _valid_args(**over):
     ({}, dict(kv_heads=jnp.ones((3,), bool)), ValueError, r"kv_heads bool\[3\]"),
     ({}, dict(kv_heads=jnp.ones((2,), jnp.float32)), ValueError, r"kv_heads float32\[2\]"),
     ({}, dict(values=False), ValueError, r"values=False .* needs a score, got score=None"),
+    # an fp8 cache: its scales, both, of the pages' shape without head_dim, float32
+    (FP8_CACHE, {}, ValueError,
+     r"k_pages\.dtype=float8_e4m3fn: expected k_scale float32\[6, 2, 16\] .*got k_scale=None"),
+    (FP8_CACHE, dict(k_scale=jnp.ones((6, 2, 16))), ValueError,
+     r"k_scale=given with v_scale=None: expected both"),
+    (FP8_CACHE, dict(k_scale=jnp.ones((6, 2, 8)), v_scale=jnp.ones((6, 2, 16))), ValueError,
+     r"k_scale=float32\[6, 2, 8\]: expected float32\[6, 2, 16\]"),
+    (FP8_CACHE, dict(k_scale=jnp.ones((6, 2, 16)), v_scale=jnp.ones((6, 2, 16), jnp.bfloat16)),
+     ValueError, r"v_scale=bfloat16\[6, 2, 16\]: expected float32\[6, 2, 16\]"),
+    ({}, dict(k_scale=jnp.ones((6, 2, 16)), v_scale=jnp.ones((6, 2, 16))), ValueError,
+     r"k_scale=given with k_pages\.dtype=bfloat16: expected k_pages in float8_e4m3fn"),
 ])
 def test_bad_inputs_raise_clear_errors(over, kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -601,3 +618,135 @@ def test_native_gpu_moderate_size(dtype, head_dim, group):
     pallas = paged_decode_attention(*args, score="max_heads", backend="pallas", interpret=False)
     for a, b in zip(auto, pallas):
         np.testing.assert_array_equal(a, b)
+
+
+# ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
+def assert_fp8_matches(args, *, score, dtype, interpret, kv_heads=None, values=True,
+                       **tuning):
+    """The kernel on the fp8 cache of `args` against its reference on the cache dequantized
+    to q's dtype (what the kernel's dots take) at the 16-bit tolerances, and against its
+    reference on the fp8 cache (dequantized in f32) within what q's dtype rounding of K and
+    V moves the LSE (`fp8_lse_bound`)."""
+    q, k, v, page_table, lengths = args
+    fp8, (k_deq, v_deq) = fp8_cache(k, v, dtype)
+    kv_heads = None if kv_heads is None else jnp.asarray(kv_heads)
+    kw = dict(score=score, kv_heads=kv_heads, values=values)
+    got = paged_decode_attention(q, page_table=page_table, lengths=lengths, **fp8, **kw,
+                                 backend="pallas", interpret=interpret, **tuning)
+    deq_args = (q, k_deq, v_deq, page_table, lengths)
+    tight = paged_decode_attention_reference(*deq_args, **kw)
+    want = paged_decode_attention_reference(q, page_table=page_table, lengths=lengths, **fp8,
+                                            **kw)
+    if values:
+        assert got.out.dtype == dtype
+        assert max_row_rel_error(got.out, tight.out) <= OUT_TOL[dtype]
+        assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+    else:
+        assert got.out is None
+    np.testing.assert_allclose(got.lse, tight.lse, rtol=0, atol=LSE_ATOL)
+    bound = fp8_lse_bound(q, k_deq, q.shape[-1] ** -0.5)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=0, atol=LSE_ATOL + bound)
+    if score is not None:
+        assert_scores_match(got.scores, tight.scores, logits_bound(deq_args, score, kv_heads))
+
+
+FP8_CORNERS = [  # every score and the scores pass, page boundaries, ragged and empty rows
+    _corner(16, 4, 128, 16, 5, [15, 16, 17, 80], None, jnp.bfloat16, block_n=32, num_splits=3),
+    _corner(12, 3, 64, 8, 5, [9, 0, 40], "max_heads", jnp.float32, kv_heads=(True, False, True),
+            num_splits=2),
+    _corner(16, 2, 128, 32, 3, [31, 96, 33], "group_sum", jnp.bfloat16, num_splits=4),
+    _corner(8, 2, 128, 16, 3, [1, 33], "mean_query", jnp.float16, block_n=16),
+    _corner(8, 2, 64, 16, 4, [17, 64], "head_probs", jnp.bfloat16, block_n=32),
+    _corner(16, 2, 128, 16, 4, [16, 49], "group_sum", jnp.bfloat16, values=False),
+]
+
+
+@pytest.mark.parametrize("cfg,score,dtype,opts", FP8_CORNERS)
+def test_fp8_matches_reference(cfg, score, dtype, opts, interpret):
+    args = make_case(17, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    assert_fp8_matches(args, score=score, dtype=dtype, interpret=interpret, **opts)
+
+
+def test_fp8_negative_control_wrong_scale_axis(interpret):
+    """Scales read along the wrong axis (each page's slots reversed) fail the check above."""
+    cfg, score, dtype, opts = FP8_CORNERS[2]
+    q, k, v, page_table, lengths = make_case(17, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    fp8, (k_deq, v_deq) = fp8_cache(k, v, dtype)
+    fp8 = dict(fp8, k_scale=fp8["k_scale"][:, :, ::-1], v_scale=fp8["v_scale"][:, :, ::-1])
+    got = paged_decode_attention(q, page_table=page_table, lengths=lengths, **fp8,
+                                 backend="pallas", interpret=interpret, **opts)
+    want = paged_decode_attention_reference(q, k_deq, v_deq, page_table, lengths)
+    assert not max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+
+
+def e4m3_round_trip_error(x, x_fp8, scale):
+    """|x - dequantize(x_fp8, scale)| over the e4m3 bound of each element: half a step of
+    its binade (2^-4 |x| relative) plus half the subnormal step, both in units of the
+    scale its own (token, head) row should have had (absmax / 448)."""
+    x = np.asarray(x, np.float64)
+    row_scale = np.abs(x).max(axis=-1, keepdims=True) / E4M3_MAX
+    bound = E4M3_REL * np.abs(x) + E4M3_SUBNORMAL_STEP / 2 * row_scale + 1e-30
+    return np.abs(np.asarray(dequantize(x_fp8, scale), np.float64) - x) / bound
+
+
+def test_fp8_quantize_round_trip_is_within_the_e4m3_bound_per_token_and_head():
+    """quantize_kv: a scale per (page, KV head, slot) = absmax over head_dim / 448; every
+    element comes back within the e4m3 bound of its own row, over rows 8 decades apart (and
+    an all-zero row); a scale over the wrong axis (per page and head, over its slots) fails
+    that bound."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 2, 16, 64)) * 10.0 ** rng.uniform(-4, 4, (4, 2, 16, 1))
+    x[1, 0, 3] = 0.0
+    x = jnp.asarray(x, jnp.float32)
+    x_fp8, scale = quantize_kv(x)
+    assert x_fp8.dtype == jnp.float8_e4m3fn and x_fp8.shape == x.shape
+    assert scale.dtype == jnp.float32 and scale.shape == x.shape[:-1]
+    np.testing.assert_allclose(scale, np.maximum(np.abs(np.asarray(x)).max(-1) / E4M3_MAX,
+                                                 np.finfo(np.float32).tiny), rtol=1e-6)
+    ratio = e4m3_round_trip_error(x, x_fp8, scale)
+    assert ratio.max() <= 1.0 + 1e-5
+    assert ratio.max() > 0.5  # the bound is not loose
+    assert np.all(np.asarray(dequantize(x_fp8, scale))[1, 0, 3] == 0)
+    # one scale per (page, head) over its slots: small tokens of a page lose their digits
+    page_scale = jnp.max(jnp.abs(x), axis=(-2, -1)) / E4M3_MAX
+    per_page = (x / page_scale[..., None, None]).astype(jnp.float8_e4m3fn)
+    page_scale = jnp.broadcast_to(page_scale[..., None], scale.shape)
+    assert e4m3_round_trip_error(x, per_page, page_scale).max() > 10
+
+
+@pytest.mark.parametrize("score,values,q_dtype,head_dim,page_size,masked", [
+    (None, True, jnp.bfloat16, 128, 16, False), ("max_heads", True, jnp.bfloat16, 128, 16, True),
+    ("group_sum", True, jnp.float16, 64, 8, False), ("mean_query", True, jnp.float32, 256, 32,
+                                                      False),
+    ("head_probs", True, jnp.bfloat16, 128, 128, False),
+    ("group_sum", False, jnp.bfloat16, 128, 16, False),
+    ("max_heads", False, jnp.bfloat16, 128, 64, True),
+])
+def test_fp8_lowers_for_cuda(score, values, q_dtype, head_dim, page_size, masked):
+    """The fp8 loads, their scales and the conversion through the Pallas -> Triton lowering,
+    every score, the scores pass alone, a KV-head mask."""
+    kv_heads, batch, max_pages, group = 2, 3, 5, 4
+    S = jax.ShapeDtypeStruct
+    cache = S((batch * max_pages, kv_heads, page_size, head_dim), jnp.float8_e4m3fn)
+    scale = S(cache.shape[:-1], jnp.float32)
+    args = (S((batch, group * kv_heads, head_dim), q_dtype), cache, cache,
+            S((batch, max_pages), jnp.int32), S((batch,), jnp.int32), scale, scale,
+            S((kv_heads,), jnp.bool_))
+    hlo = lower_for_cuda(lambda *a: paged_decode_attention(
+        *a[:5], k_scale=a[5], v_scale=a[6], score=score, values=values,
+        kv_heads=a[7] if masked else None, backend="pallas", interpret=False), *args)
+    assert "triton" in hlo
+
+
+@pytest.mark.gpu
+def test_native_gpu_fp8_llama_shapes():
+    """Llama-8B's heads (32 / 8, head_dim 128, pages of 16) natively, ragged rows up to 4k,
+    every score and the scores pass."""
+    batch, kv_heads, page_size, max_pages = 4, 8, 16, 256
+    args = make_case(3, batch=batch, q_heads=32, kv_heads=kv_heads, head_dim=128,
+                     page_size=page_size, max_pages=max_pages,
+                     lengths=[1, 17, 2049, max_pages * page_size], dtype=jnp.bfloat16)
+    for score in SCORES:
+        assert_fp8_matches(args, score=score, dtype=jnp.bfloat16, interpret=False)
+    assert_fp8_matches(args, score="group_sum", dtype=jnp.bfloat16, interpret=False,
+                       values=False)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_checks import lower_for_cuda, max_row_rel_error
+from kernel_checks import fp8_cache, fp8_lse_bound, lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels import prefill_attention
 from sparsejax.pallas_kernels.prefill_attention import (
     PrefillAttention, paged_prefill_attention, paged_prefill_attention_reference,
@@ -304,6 +304,10 @@ def test_auto_backend_is_reference_on_cpu():
         np.testing.assert_array_equal(a, b)
 
 
+FP8_CACHE = dict(k_pages=((6, 2, 16, 64), jnp.float8_e4m3fn),
+                 v_pages=((6, 2, 16, 64), jnp.float8_e4m3fn))
+
+
 def _valid_args(**over):
     shapes = dict(q=((2, 4, 8, 64), jnp.bfloat16), k_pages=((6, 2, 16, 64), jnp.bfloat16),
                   v_pages=((6, 2, 16, 64), jnp.bfloat16), page_table=((2, 3), jnp.int32),
@@ -343,10 +347,20 @@ def _valid_args(**over):
     (dict(q=((2, 4, 8, 64), jnp.float32), k_pages=((6, 2, 16, 64), jnp.float32),
           v_pages=((6, 2, 16, 64), jnp.float32)),
      dict(backend="cudnn"), r"backend='cudnn': q\.dtype=float32: cuDNN takes bfloat16"),
+    (FP8_CACHE, {}, r"k_pages\.dtype=float8_e4m3fn: expected k_scale float32\[6, 2, 16\]"),
+    (FP8_CACHE, dict(k_scale=jnp.ones((6, 2, 16)), v_scale=jnp.ones((6, 16))),
+     r"v_scale=float32\[6, 16\]: expected float32\[6, 2, 16\]"),
+    ({}, dict(v_scale=jnp.ones((6, 2, 16))), r"v_scale=given with k_scale=None"),
 ])
 def test_bad_inputs_raise_clear_errors(over, kwargs, match):
     with pytest.raises(ValueError, match=match):
         paged_prefill_attention(*_valid_args(**over), **kwargs)
+
+
+def test_tile_scores_refuse_an_fp8_cache_without_its_scale():
+    q, k, _, page_table, start, lengths = _valid_args(**FP8_CACHE)
+    with pytest.raises(ValueError, match=r"k_pages\.dtype=float8_e4m3fn: expected k_scale"):
+        paged_tile_scores(q, k, page_table, start, lengths, jnp.zeros(q.shape[:3]))
 
 
 @pytest.mark.parametrize("head_dim,page_size,dtype,group,sparse", [
@@ -407,3 +421,134 @@ def test_native_gpu_cudnn():
     auto = paged_prefill_attention(*args)   # picks cuDNN: a dense bf16 chunk of 1000 queries
     np.testing.assert_array_equal(np.asarray(auto.out, np.float32),
                                   np.asarray(got.out, np.float32))
+
+
+# ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
+def fp8_args(args):
+    """(the fp8 cache's k/v pages and scales as keywords, args on that cache dequantized to
+    q's dtype: the tiles the kernel's dots take)."""
+    q, k, v, page_table, start, lengths = args
+    fp8, (k_deq, v_deq) = fp8_cache(k, v, q.dtype)
+    return fp8, (q, k_deq, v_deq, page_table, start, lengths)
+
+
+def assert_fp8_matches(got, args, dtype, **kw):
+    """A result on the fp8 cache of `args` against the reference on that cache dequantized to
+    q's dtype at the 16-bit tolerances, and against the reference on the fp8 cache (f32
+    dequantization) within what q's dtype rounding of K and V moves the LSE."""
+    fp8, dequantized = fp8_args(args)
+    assert_matches(got, paged_prefill_attention_reference(*dequantized, **kw), dtype)
+    q, _, _, page_table, start, lengths = args
+    want = paged_prefill_attention_reference(q, page_table=page_table, start=start,
+                                             lengths=lengths, **fp8, **kw)
+    assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+    finite = np.isfinite(np.asarray(want.lse))
+    bound = fp8_lse_bound(q, dequantized[1], q.shape[-1] ** -0.5)
+    np.testing.assert_allclose(np.asarray(got.lse)[finite], np.asarray(want.lse)[finite],
+                               rtol=0, atol=LSE_ATOL + bound)
+
+
+FP8_CASES = [CASES[1], CASES[3], CASES[4]]  # bf16 / f32 deep and split / f16 chunk of 128
+
+
+@pytest.mark.parametrize("cfg,tuning", FP8_CASES)
+def test_fp8_dense_matches_reference(cfg, tuning, interpret):
+    args = make_case(1, **cfg)
+    fp8, _ = fp8_args(args)
+    q, _, _, page_table, start, lengths = args
+    got = paged_prefill_attention(q, page_table=page_table, start=start, lengths=lengths, **fp8,
+                                  backend="pallas", interpret=interpret, **tuning)
+    assert_fp8_matches(got, args, cfg["dtype"])
+
+
+def test_fp8_sparse_matches_reference(interpret):
+    cfg = _case(40, [9, 64], [40, 17], group=4, dtype=jnp.bfloat16)
+    args = make_case(2, **cfg)
+    indices, count = random_selection(3, args, tile=16, k_max=12)
+    fp8, _ = fp8_args(args)
+    q, _, _, page_table, start, lengths = args
+    sel = dict(indices=indices, count=count, tile=16)
+    got = paged_prefill_attention(q, page_table=page_table, start=start, lengths=lengths, **fp8,
+                                  **sel, backend="pallas", interpret=interpret, block_q=8)
+    assert_fp8_matches(got, args, jnp.bfloat16, **sel)
+
+
+def test_fp8_split_prefill_matches_reference():
+    """cuDNN's path on an fp8 cache (chunked prefill's unmasked runs and a ragged row): the
+    gathered rows dequantized to q's dtype."""
+    cfg = _case(8, [40, 40], [8, 5], dtype=jnp.bfloat16)
+    args = make_case(1, **cfg)
+    fp8, _ = fp8_args(args)
+    q, _, _, page_table, start, lengths = args
+    got = prefill_attention._prefill_split(q, fp8["k_pages"], fp8["v_pages"], page_table, start,
+                                           lengths, sm_scale=cfg["head_dim"] ** -0.5,
+                                           attend=contiguous_attention, k_scale=fp8["k_scale"],
+                                           v_scale=fp8["v_scale"])
+    assert_fp8_matches(got, args, cfg["dtype"])
+
+
+def test_fp8_tile_scores_match_reference(interpret):
+    cfg, tile = _case(70, [5, 64], [70, 33], dtype=jnp.bfloat16, head_dim=128), 32
+    args = make_case(10, **cfg)
+    fp8, dequantized = fp8_args(args)
+    q, _, _, page_table, start, lengths = args
+    lse = paged_prefill_attention_reference(*dequantized).lse
+    got = paged_tile_scores(q, fp8["k_pages"], page_table, start, lengths, lse, tile=tile,
+                            k_scale=fp8["k_scale"], backend="pallas", interpret=interpret,
+                            block_q=16, num_splits=2)
+    want = paged_tile_scores_reference(q, dequantized[1], page_table, start, lengths, lse,
+                                       tile=tile)
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-5)
+    # the reference on the fp8 cache (K dequantized in f32): bf16's rounding of K moves a
+    # logit, so a probability by a factor of at most exp(fp8_lse_bound)
+    exact = paged_tile_scores_reference(q, fp8["k_pages"], page_table, start, lengths, lse,
+                                        tile=tile, k_scale=fp8["k_scale"])
+    bound = fp8_lse_bound(q, dequantized[1], q.shape[-1] ** -0.5)
+    np.testing.assert_allclose(got, exact, rtol=1e-2 + np.expm1(bound), atol=1e-5)
+    # K scales of the wrong head: far off
+    wrong = paged_tile_scores(q, fp8["k_pages"], page_table, start, lengths, lse, tile=tile,
+                              k_scale=fp8["k_scale"][:, ::-1], backend="pallas",
+                              interpret=interpret, block_q=16, num_splits=2)
+    assert not np.allclose(wrong, want, rtol=1e-1, atol=1e-3)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fp8_lowers_for_cuda(sparse):
+    kv_heads, batch, chunk, max_pages, group, head_dim, page_size = 2, 2, 200, 40, 4, 128, 16
+    S = jax.ShapeDtypeStruct
+    cache = S((batch * max_pages, kv_heads, page_size, head_dim), jnp.float8_e4m3fn)
+    scale = S(cache.shape[:-1], jnp.float32)
+    args = [S((batch, chunk, group * kv_heads, head_dim), jnp.bfloat16), cache, cache,
+            S((batch, max_pages), jnp.int32), S((batch,), jnp.int32), S((batch,), jnp.int32),
+            scale, scale]
+    if sparse:
+        args += [S((batch, 2, kv_heads, 100), jnp.int32), S((batch, 2, kv_heads), jnp.int32)]
+
+    def fn(*a):
+        extra = dict(indices=a[8], count=a[9]) if sparse else {}
+        return paged_prefill_attention(*a[:6], k_scale=a[6], v_scale=a[7], backend="pallas",
+                                       interpret=False, **extra)
+    assert "triton" in lower_for_cuda(fn, *args)
+
+
+def test_fp8_tile_scores_lower_for_cuda():
+    S = jax.ShapeDtypeStruct
+    args = [S((1, 256, 32, 128), jnp.bfloat16), S((80, 8, 16, 128), jnp.float8_e4m3fn),
+            S((1, 80), jnp.int32), S((1,), jnp.int32), S((1,), jnp.int32),
+            S((1, 256, 32), jnp.float32), S((80, 8, 16), jnp.float32)]
+    assert "triton" in lower_for_cuda(
+        lambda *a: paged_tile_scores(*a[:6], k_scale=a[6], backend="pallas", interpret=False),
+        *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["pallas", "cudnn"])
+def test_native_gpu_fp8_long_chunk(backend):
+    args = make_case(9, **_case(1000, [0, 3000], [1000, 777], page_size=16,
+                                dtype=jnp.bfloat16, head_dim=128, group=4))
+    fp8, _ = fp8_args(args)
+    q, _, _, page_table, start, lengths = args
+    got = paged_prefill_attention(q, page_table=page_table, start=start, lengths=lengths, **fp8,
+                                  backend=backend, **({} if backend == "cudnn" else
+                                                      dict(interpret=False)))
+    assert_fp8_matches(got, args, jnp.bfloat16)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.extend.core import jaxprs_in_params
 
-from kernel_checks import lower_for_cuda, max_row_rel_error
+from kernel_checks import fp8_cache, fp8_lse_bound, lower_for_cuda, max_row_rel_error
 from sparsejax.pallas_kernels import LogitRows, paged_decode_attention
 from sparsejax.pallas_kernels.sparse_attention import (
     SparseAttention,
@@ -574,6 +574,9 @@ def test_lowers_for_cuda_given_logits(groups, path):
     assert "_given_logits" in text
 
 
+FP8 = jnp.float8_e4m3fn
+
+
 def _rows(span=48, block_n=16):
     """LogitRows of the make_case(8) shapes (B=2, 2 KV heads of 4 query heads, 48 positions),
     block maxes sized for blocks of 16."""
@@ -616,6 +619,15 @@ def _bad(name, fn):
     _bad("prior_query", lambda c, o: o.update(logits=_rows(), prior_query=c["q"])),
     _bad("dense_heads", lambda c, o: o.update(logits=_rows(),
                                               dense_heads=jnp.zeros((2,), bool))),
+    _bad("k_pages.dtype", lambda c, o: c.update(k_pages=c["k_pages"].astype(FP8),
+                                                v_pages=c["v_pages"].astype(FP8))),
+    _bad("k_scale", lambda c, o: c.update(k_pages=c["k_pages"].astype(FP8),
+                                          v_pages=c["v_pages"].astype(FP8),
+                                          k_scale=jnp.ones(c["k_pages"].shape[:2]),
+                                          v_scale=jnp.ones(c["k_pages"].shape[:3]))),
+    _bad("v_scale", lambda c, o: c.update(k_pages=c["k_pages"].astype(FP8),
+                                          v_pages=c["v_pages"].astype(FP8),
+                                          v_scale=jnp.ones(c["k_pages"].shape[:3]))),
 ])
 def test_bad_inputs(mutate, match):
     case, opts = make_case(8)
@@ -687,3 +699,108 @@ def test_reference_takes_any_head_dim_and_page_size():
     got = sparse_decode_attention(**small, **opts, backend="auto")
     want = sparse_decode_attention_reference(**small, **opts)
     np.testing.assert_allclose(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+
+
+# ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
+def fp8_case(case, dtype):
+    """(case on the fp8 cache of case's pages, case on that cache dequantized to q's dtype:
+    the tiles the kernel's dots take)."""
+    fp8, (k_deq, v_deq) = fp8_cache(case["k_pages"], case["v_pages"], dtype)
+    return dict(case, **fp8), dict(case, k_pages=k_deq, v_pages=v_deq)
+
+
+def assert_fp8_close(got, case, opts, dtype, prior):
+    """The kernel on an fp8 cache against its reference on the cache dequantized to q's
+    dtype at the 16-bit tolerances, and against its reference on the fp8 cache (f32
+    dequantization) within what q's dtype rounding of K and V moves the LSE."""
+    quantized, dequantized = fp8_case(case, dtype)
+    assert_close(got, sparse_decode_attention_reference(**dequantized, **opts), dtype, prior)
+    want = sparse_decode_attention_reference(**quantized, **opts)
+    assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+    queries = case["q"] if "prior_query" not in opts else jnp.concatenate(
+        [case["q"], opts["prior_query"].astype(case["q"].dtype)], axis=1)
+    bound = fp8_lse_bound(queries, dequantized["k_pages"], opts.get("sm_scale",
+                                                                    case["q"].shape[-1] ** -0.5))
+    for got_lse, want_lse in [(got.lse, want.lse)] + ([(got.prior[0], want.prior[0])]
+                                                      if prior else []):
+        np.testing.assert_allclose(np.asarray(got_lse), np.asarray(want_lse), rtol=0,
+                                   atol=LSE_TOL + bound)
+
+
+@pytest.mark.parametrize("method,groups,unit,head_map,dense,path,dtype", [
+    ("kascade", "kv", "token", "random", "none", "direct", jnp.bfloat16),
+    ("delta", "shared", "page", "none", "none", "direct", jnp.bfloat16),
+    ("lychee", "kv", "block", "none", "some", "split", jnp.bfloat16),
+    ("quest", "q", "page", "none", "none", "split", jnp.float32),
+])
+def test_fp8_method_layouts(interpret, method, groups, unit, head_map, dense, path, dtype):
+    """Each method's selection layout on an fp8 cache, with the RESA prior; lengths on both
+    sides of a page boundary (P = 8)."""
+    case, opts = make_case(22, groups=groups, unit=unit, head_map=head_map, dense=dense,
+                           prior=True, dtype=dtype, lengths=[8, 47])
+    quantized, _ = fp8_case(case, dtype)
+    got = run(quantized, opts, "pallas", interpret, **TUNINGS[path])
+    assert kernel_path(quantized, opts, **TUNINGS[path]) == path
+    assert_fp8_close(got, case, opts, dtype, prior=True)
+
+
+@pytest.mark.parametrize("path", ["direct", "split"])
+def test_fp8_given_logits(interpret, path):
+    """Given logits on an fp8 cache: the kernel reads only V (and its scales)."""
+    case, opts = make_case(33, groups="kv", head_map="none", dtype=jnp.bfloat16,
+                           lengths=[9, 40], k_max=24)
+    quantized, dequantized = fp8_case(case, jnp.bfloat16)
+    rows = own_logits(dequantized, "group_sum", "reference")
+    given = dict(opts, logits=rows)
+    got = run(quantized, given, "pallas", interpret, **TUNINGS[path])
+    assert_close(got, sparse_decode_attention_reference(**dequantized, **given), jnp.bfloat16)
+    want = sparse_decode_attention_reference(**quantized, **given)
+    assert max_row_rel_error(got.out, want.out) <= OUT_TOL[jnp.bfloat16]
+    np.testing.assert_allclose(np.asarray(got.lse), np.asarray(want.lse), rtol=0, atol=LSE_TOL)
+
+
+def test_fp8_negative_control_wrong_scale_axis(interpret):
+    """V scales of the wrong KV head fail the comparison the tests above pass."""
+    case, opts = make_case(22, groups="kv", dtype=jnp.bfloat16, lengths=[8, 47])
+    quantized, dequantized = fp8_case(case, jnp.bfloat16)
+    quantized["v_scale"] = quantized["v_scale"][:, ::-1]
+    got = run(quantized, opts, "pallas", interpret, **DIRECT_TUNING)
+    want = sparse_decode_attention_reference(**dequantized, **opts)
+    assert max_row_rel_error(got.out, want.out) > 10 * OUT_TOL[jnp.bfloat16]
+
+
+@pytest.mark.parametrize("groups,unit,dense,prior,path,given", [
+    ("kv", "token", "none", False, "direct", False), ("kv", "page", "some", True, "split", False),
+    ("shared", "block", "some", True, "direct", False), ("q", "token", "none", True, "split",
+                                                          False),
+    ("kv", "token", "none", False, "direct", True), ("q", "token", "none", False, "split", True),
+])
+def test_fp8_lowers_for_cuda(groups, unit, dense, prior, path, given):
+    """The fp8 gathers, their scales and the conversion through the Triton lowering: each
+    selection layout, dense heads, the prior, given logits (no K scales read)."""
+    case, opts = make_case(7, batch=4, groups=groups, unit=unit, dense=dense, prior=prior,
+                           head_map="none" if given else "random", k_max=128, max_pages=32,
+                           **BF16_32x8)
+    case, _ = fp8_case(case, jnp.bfloat16)
+    if given:
+        b, span = 4, 32 * 16
+        opts["logits"] = LogitRows(jnp.zeros((b, 8, 4, span), jnp.float16),
+                                   jnp.zeros((b, 8, 4, span // 128), jnp.float32), None, 128)
+    tuning = dict(block_n=64, split_tokens=64) if path == "split" else dict(split_tokens=2**16)
+    _lower_and_check_grid(case, opts, tuning, path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,unit,dense,prior", [
+    ("kv", "token", "none", True), ("shared", "page", "none", True), ("kv", "block", "some", True),
+    ("q", "token", "none", False),
+])
+def test_native_gpu_fp8(groups, unit, dense, prior):
+    span = 256 * 16
+    case, opts = make_case(11, batch=8, q_heads=32, kv_heads=8, head_dim=128, page_size=16,
+                           max_pages=256, groups=groups, unit=unit, dense=dense, prior=prior,
+                           dtype=jnp.bfloat16, k_max=512,
+                           lengths=[1, 15, 16, 17, span - 1, span, 1000, 3000])
+    quantized, _ = fp8_case(case, jnp.bfloat16)
+    assert_fp8_close(run(quantized, opts, "pallas", interpret=False), case, opts, jnp.bfloat16,
+                     prior)
