@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax.models import Model, ModelConfig
+from sparsejax.pallas_kernels.common import dequantize
 
 MAX_PAGE_SIZE = 256
 
@@ -66,8 +67,9 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def dequantize_kv(x_fp8: jax.Array, scale: jax.Array) -> jax.Array:
-    """float8_e4m3fn values [..., D] and their scales [...] -> f32 [..., D]."""
-    return x_fp8.astype(jnp.float32) * scale[..., None]
+    """float8_e4m3fn values [..., D] and their scales [...] -> f32 [..., D]: the kernels' own
+    formula (`pallas_kernels.common.dequantize`)."""
+    return dequantize(x_fp8, scale)
 
 
 def query_dtype(stored, model_dtype) -> jnp.dtype:
