@@ -6,12 +6,17 @@
     python benchmarks/fidelity.py gates --gates DIR_4 DIR_8    -> results/gates.json
     python benchmarks/fidelity.py calibration --delta D.json --kascade K.json
                                                               -> results/calibration.json
+    python benchmarks/fidelity.py kv-dtype --kv-dtype bf16,fp8 -> results/fidelity_kv_dtype.json
 
 `merge` joins `sparsejax eval --json` outputs of one model, context and task set (e.g. runs
 split by method). `resa` reads the attention-output error of every base method with and
 without RESA at one budget ratio. `gates` compares Lychee with trained gates against random
 retrieval heads of the same count; `calibration` compares calibrated layer choices against
-evenly spaced ones. Both run the eval harness on the shipped model.
+evenly spaced ones. Both run the eval harness on the shipped model. `kv-dtype` runs dense
+and every method (the eval harness, at one budget ratio) over KV caches of each `--kv-dtype`
+(the first is the baseline): each cell's accuracy, recall and attention error per cache
+dtype and the accuracy's change in points; and dense attention's output error with each
+cache against the model's own dtype (f32) on the same prompts.
 """
 from __future__ import annotations
 
@@ -172,6 +177,79 @@ def calibration(args) -> dict:
     return _run(build, args)
 
 
+def dense_attention_error(model, samples, kv_dtypes, *, batch: int, task_set) -> dict:
+    """Per cache dtype: the relative L2 error of each layer's attention block output at the
+    first decode step, dense attention over a cache of that dtype against the model's own
+    dtype (mean over rows and layers, and per layer). The step's input is the same for every
+    cache (the prompt's forward pass does not read the cache); its attention reads the cache."""
+    import jax.numpy as jnp
+
+    from sparsejax import generate
+
+    def blocks(kv_dtype):
+        out = []
+        for start in range(0, len(samples), batch):
+            ids, lengths = task_set.batch(samples[start:start + batch])
+            d = generate(model, ids, lengths=lengths, max_new_tokens=2, eos_token_id=(),
+                         return_diagnostics=True, kv_dtype=kv_dtype, prefill_chunk=0)
+            out.append(np.asarray(d.diagnostics["attn_block"][0], np.float64))   # [L, B, H]
+        return np.concatenate(out, axis=1)
+
+    want = blocks(None)
+    doc = {}
+    for kv_dtype in kv_dtypes:
+        got = blocks(kv_dtype)
+        err = np.linalg.norm(got - want, axis=-1) / np.maximum(np.linalg.norm(want, axis=-1),
+                                                               1e-30)      # [L, rows]
+        doc[kv_dtype] = {"mean": float(err.mean()), "max": float(err.max()),
+                         "per_layer": [round(float(e), 6) for e in err.mean(axis=1)]}
+    doc["reference"] = str(jnp.dtype(model.dtype))
+    return doc
+
+
+def kv_dtype_table(args) -> dict:
+    """Dense and every method with each KV cache dtype (see the module's docstring)."""
+    from sparsejax import evaluation
+
+    path, model, vocab = _load()
+    kv_dtypes = [k.strip() for k in args.kv_dtype.split(",") if k.strip()]
+    names = evaluation.parse_methods(args.methods)
+    tasks = args.task.split(",")
+    runs = {}
+    for kv_dtype in kv_dtypes:
+        runs[kv_dtype] = evaluation.evaluate(
+            model, tasks=tasks, context=args.context, samples=args.samples, ratios=[args.ratio],
+            method_names=names, batch=args.batch, model_dir=path, vocab=vocab, timing=False,
+            seed=args.seed, kv_dtype=kv_dtype,
+            progress=lambda s, k=kv_dtype: print(f"[{k}] {s}", file=sys.stderr, flush=True))
+    base = kv_dtypes[0]
+    cells = {}
+    for kv_dtype, doc in runs.items():
+        for r in doc["results"]:
+            cell = cells.setdefault((r["method"], r["task"]),
+                                    {"method": r["method"], "task": r["task"]})
+            for key in ("accuracy", "mean_recall", "mean_attn_error"):
+                cell[f"{key}_{kv_dtype}"] = r[key]
+    rows = list(cells.values())
+    for row in rows:
+        for kv_dtype in kv_dtypes[1:]:
+            row[f"accuracy_points_{kv_dtype}_vs_{base}"] = round(
+                100 * (row[f"accuracy_{kv_dtype}"] - row[f"accuracy_{base}"]), 2)
+    first = runs[base]
+    task_set = evaluation.task_set(None, tasks, args.context)
+    samples = task_set.samples(tasks, args.context, args.samples, args.seed, vocab)
+    keys = ("model", "tasks", "task_set", "context", "samples_per_task", "seed", "device",
+            "jax_version", "date", "lychee_retrieval_heads", "calibrated")
+    return {**{k: first[k] for k in keys}, "budget_ratio": args.ratio, "kv_dtypes": kv_dtypes,
+            "baseline": base, "rows": rows,
+            "largest_accuracy_change_points": {
+                k: max(abs(r[f"accuracy_points_{k}_vs_{base}"]) for r in rows)
+                for k in kv_dtypes[1:]},
+            "dense_attention_error_vs_model_dtype": dense_attention_error(
+                model, samples, kv_dtypes, batch=args.batch, task_set=task_set),
+            "runs": runs}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,7 +262,7 @@ def main(argv=None) -> int:
     r.add_argument("fidelity", type=Path)
     r.add_argument("--ratio", type=float, default=0.1)
     r.add_argument("--out", type=Path, default=RESULTS / "resa_error.json")
-    for name in ("gates", "calibration"):
+    for name in ("gates", "calibration", "kv-dtype"):
         s = sub.add_parser(name)
         s.add_argument("--task", default="niah,multivalue")
         s.add_argument("--context", type=int, default=2048)
@@ -192,8 +270,15 @@ def main(argv=None) -> int:
         s.add_argument("--ratio", type=float, default=0.1)
         s.add_argument("--batch", type=int, default=8)
         s.add_argument("--seed", type=int, default=0)
-        s.add_argument("--out", type=Path, default=RESULTS / f"{name}.json")
-        if name == "gates":
+        s.add_argument("--out", type=Path, default=RESULTS / (
+            "fidelity_kv_dtype.json" if name == "kv-dtype" else f"{name}.json"))
+        if name == "kv-dtype":
+            s.add_argument("--kv-dtype", default="bf16,fp8",
+                           help="KV cache dtypes, comma-separated, the baseline first "
+                           "(auto, bf16, f32, fp8)")
+            s.add_argument("--methods", default="dense,oracle,streaming,quest,tidal,delta,"
+                           "kascade,lychee,delta+resa", help="as sparsejax eval's --methods")
+        elif name == "gates":
             s.add_argument("--gates", nargs="+", required=True,
                            help="gate files or directories (one per head count)")
         else:
@@ -211,6 +296,18 @@ def main(argv=None) -> int:
         for row in doc["rows"]:
             print(f"{row['method']:<10} attention error {row['attn_error']:.3f} -> "
                   f"{row['attn_error_resa']:.3f} with RESA (reduced by {row['reduction']:.0%})")
+    elif args.command == "kv-dtype":
+        doc = kv_dtype_table(args)
+        base = doc["baseline"]
+        for row in doc["rows"]:
+            print(f"{row['method']:<12} {row['task']:<10} " + "  ".join(
+                f"{k} acc {row[f'accuracy_{k}']:.3f} err {row[f'mean_attn_error_{k}'] or 0:.4f}"
+                for k in doc["kv_dtypes"]) + "".join(
+                f"  {k}-{base} {row[f'accuracy_points_{k}_vs_{base}']:+.1f} pts"
+                for k in doc["kv_dtypes"][1:]))
+        print("dense attention-block error vs the model's dtype:",
+              {k: v["mean"] for k, v in doc["dense_attention_error_vs_model_dtype"].items()
+               if k != "reference"})
     else:
         doc = gates(args) if args.command == "gates" else calibration(args)
         from sparsejax import evaluation

@@ -26,6 +26,11 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
+KV_DTYPE_CHOICES = ("auto", "bf16", "f32", "fp8")
+KV_DTYPE_HELP = ("what the KV cache stores: auto (the compute dtype), bf16, f32, or fp8 "
+                 "(float8_e4m3fn with a scale per token and KV head: half bf16's bytes)")
+
+
 def ratio(text: str) -> float:
     value = nonnegative_float(text)
     if not 0 < value <= 1:

@@ -1,6 +1,10 @@
 """The paged KV cache: pure functions from cache to cache.
 
 k, v [layers, num_pages, kv_heads, page_size, head_dim] keep one (page, head) tile contiguous.
+An fp8 cache (`kv_dtype="fp8"`) stores them as float8_e4m3fn with one f32 scale per (token,
+KV head) in k_scale, v_scale [layers, num_pages, kv_heads, page_size] (`quantize_kv`): a page
+fills one token at a time during decode, so a per-page scale would force requantizing its
+earlier tokens whenever its absolute max grew.
 Token t of row b lives in page `page_table[b, t // page_size]`, slot `t % page_size`;
 `token_address` is the one place that computes this, and `layer_page_ids` the one place that
 offsets a page to its layer in the flattened cache.
@@ -9,15 +13,76 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from sparsejax.models import Model, ModelConfig
+from sparsejax.pallas_kernels.common import dequantize
 
 MAX_PAGE_SIZE = 256
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0        # float8_e4m3fn's largest finite value
+# kv_dtype's accepted names -> the stored dtype (None: the model's dtype)
+KV_DTYPES = {"auto": None, "bf16": jnp.dtype(jnp.bfloat16), "bfloat16": jnp.dtype(jnp.bfloat16),
+             "f32": jnp.dtype(jnp.float32), "float32": jnp.dtype(jnp.float32),
+             "fp8": FP8, "float8_e4m3fn": FP8}
+
+
+def resolve_kv_dtype(kv_dtype, dtype) -> jnp.dtype:
+    """The dtype a cache stores K/V in: `kv_dtype` None or "auto" -> `dtype` (the model's);
+    "bf16"/"bfloat16", "f32"/"float32", "fp8"/"float8_e4m3fn" (also as the dtypes themselves)
+    -> that dtype. Anything else is refused, naming the accepted values."""
+    if kv_dtype is None:
+        return jnp.dtype(dtype)
+    name = kv_dtype if isinstance(kv_dtype, str) else None
+    if name is None:
+        try:
+            given = jnp.dtype(kv_dtype)
+        except TypeError:
+            given = None
+        if given is not None and given == jnp.dtype(dtype):   # the model's own (e.g. float16)
+            return given
+        name = None if given is None else given.name
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: expected None or one of "
+                         f"{', '.join(map(repr, KV_DTYPES))}")
+    return jnp.dtype(dtype) if KV_DTYPES[name] is None else KV_DTYPES[name]
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == FP8
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (x_fp8 [..., D] float8_e4m3fn, scale [...] f32): scale = absmax over the
+    last axis / 448 (at least the smallest normal f32, so an all-zero vector stays zero),
+    x_fp8 = x / scale rounded to nearest even. `dequantize_kv` inverts it to e4m3's precision."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1) / FP8_MAX, jnp.finfo(jnp.float32).tiny)
+    return (xf / scale[..., None]).astype(FP8), scale
+
+
+def dequantize_kv(x_fp8: jax.Array, scale: jax.Array) -> jax.Array:
+    """float8_e4m3fn values [..., D] and their scales [...] -> f32 [..., D]: the kernels' own
+    formula (`pallas_kernels.common.dequantize`)."""
+    return dequantize(x_fp8, scale)
+
+
+def query_dtype(stored, model_dtype) -> jnp.dtype:
+    """The query dtype the kernels read a cache of `stored` dtype with: the cache's own, except
+    for fp8 (dequantized to f32 in the kernels), which takes the model's."""
+    return jnp.dtype(model_dtype) if is_fp8(stored) else jnp.dtype(stored)
+
+
+def as_stored(x: jax.Array, kv_dtype) -> jax.Array:
+    """x [..., D] as a cache of `kv_dtype` gives it back: quantized and dequantized (f32) for
+    fp8, else x itself. What Quest's page bounds and RESA's prior are computed from, so that
+    they describe the cached keys and values."""
+    return dequantize_kv(*quantize_kv(x)) if is_fp8(kv_dtype) else x
 
 
 @flax.struct.dataclass
@@ -36,6 +101,8 @@ class PagedKVCache:
     page_table: jax.Array   # [batch, max_pages] int32
     lengths: jax.Array      # [batch] int32 tokens written per row
     state: MethodState | None = None
+    k_scale: jax.Array | None = None   # [layers, num_pages, kv_heads, page_size] f32 (fp8 only)
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
@@ -49,6 +116,40 @@ class PagedKVCache:
     def capacity(self) -> int:
         """Tokens each row can hold."""
         return self.page_table.shape[1] * self.page_size
+
+
+class KVPages(NamedTuple):
+    """A cache's K/V flattened over layers (`layer_pages`), as the kernels read them in place:
+    k, v [L * num_pages, HK, P, D] and, for fp8, their scales [L * num_pages, HK, P]."""
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    def scales(self) -> dict:
+        """The kernels' scale arguments: none for a bf16 / f32 cache."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+
+
+def flat_pages(cache: PagedKVCache) -> KVPages:
+    """The cache's K/V (and scales) flattened over layers: free reshapes."""
+    scales = (None, None) if cache.k_scale is None else (layer_pages(cache.k_scale),
+                                                         layer_pages(cache.v_scale))
+    return KVPages(layer_pages(cache.k), layer_pages(cache.v), *scales)
+
+
+def with_pages(cache: PagedKVCache, pages: KVPages) -> PagedKVCache:
+    """`cache` holding the flattened `pages` (back in the [layers, num_pages, ...] shape)."""
+    unflat = lambda x, like: None if x is None else x.reshape(like.shape)  # noqa: E731
+    return cache.replace(k=unflat(pages.k, cache.k), v=unflat(pages.v, cache.v),
+                         k_scale=unflat(pages.k_scale, cache.k_scale),
+                         v_scale=unflat(pages.v_scale, cache.v_scale))
+
+
+def dequantized_pages(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Gathered cache pages [..., P, D] as f32 values: dequantized when `scale` [..., P] is
+    given (fp8), else converted."""
+    return pages.astype(jnp.float32) if scale is None else dequantize_kv(pages, scale)
 
 
 def check_page_size(page_size) -> None:
@@ -70,10 +171,12 @@ def config_and_dtype(config_or_model, dtype=None):
 
 def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
              page_size: int = 16, dtype=None, kv_copies: int = 1,
-             check_memory: bool = True) -> PagedKVCache:
+             check_memory: bool = True, kv_dtype=None) -> PagedKVCache:
     """An empty cache for `batch` rows of up to `capacity` tokens each, on the default device
     (`sparsejax.allocate` lays it out on a mesh). `config_or_model`: a Model (the cache takes
-    its dtype unless `dtype` is given) or a ModelConfig (dtype default bfloat16).
+    its dtype unless `dtype` is given) or a ModelConfig (dtype default bfloat16). `kv_dtype`
+    (`resolve_kv_dtype`): what K/V are stored as, default that dtype; "fp8" stores
+    float8_e4m3fn with per-(token, KV head) scales.
 
     Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
     equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
@@ -85,6 +188,7 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     donated step), does not fit in the devices' free memory (`check_memory`).
     """
     config, dtype = config_and_dtype(config_or_model, dtype)
+    stored = resolve_kv_dtype(kv_dtype, dtype)
     check_page_size(page_size)
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
@@ -93,27 +197,35 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
              config.head_dim)
     if check_memory:
         check_fits(config, batch, capacity, page_size=page_size, dtype=dtype,
-                   kv_copies=kv_copies)
+                   kv_copies=kv_copies, kv_dtype=stored)
     page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
-    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                        page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
+    scales = {}
+    if is_fp8(stored):
+        scales = dict(k_scale=jnp.ones(shape[:-1], jnp.float32),
+                      v_scale=jnp.ones(shape[:-1], jnp.float32))
+    return PagedKVCache(k=jnp.zeros(shape, stored), v=jnp.zeros(shape, stored),
+                        page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32), **scales)
 
 
 def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-             dtype=jnp.bfloat16, kv_copies: int = 1) -> int:
-    """Bytes of K and V that `allocate` makes for these arguments."""
+             dtype=jnp.bfloat16, kv_copies: int = 1, kv_dtype=None) -> int:
+    """Bytes of K and V (and an fp8 cache's f32 scales) that `allocate` makes for these
+    arguments."""
+    stored = resolve_kv_dtype(kv_dtype, dtype)
     max_pages = -(-capacity // page_size)
+    per_token = config.head_dim * stored.itemsize + (4 if is_fp8(stored) else 0)
     return (2 * config.num_layers * batch * max_pages * config.num_kv_heads * kv_copies
-            * page_size * config.head_dim * jnp.dtype(dtype).itemsize)
+            * page_size * per_token)
 
 
 def cache_bytes(cache: PagedKVCache) -> int:
-    """Bytes of a cache's K and V (concrete or traced)."""
-    return 2 * math.prod(cache.k.shape) * jnp.dtype(cache.k.dtype).itemsize
+    """Bytes of a cache's K and V and their scales (concrete or traced)."""
+    size = lambda x: 0 if x is None else math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    return sum(size(x) for x in (cache.k, cache.v, cache.k_scale, cache.v_scale))
 
 
 # The bytes a donated decode step needs beside its arguments, at a cache's shapes:
-# (config, batch, capacity, page_size, dtype, kv_copies) -> bytes. `sparsejax.generate`
+# (config, batch, capacity, page_size, dtype, kv_copies, kv_dtype) -> bytes. `sparsejax.generate`
 # registers the compiled step's memory analysis here (it imports this module, not the
 # other way round); without it only the cache itself is counted.
 _step_temporaries = None
@@ -125,10 +237,11 @@ def register_step_temporaries(fn) -> None:
 
 
 def step_temporaries(config, batch, capacity, *, page_size=16, dtype=jnp.bfloat16,
-                     kv_copies=1) -> int:
+                     kv_copies=1, kv_dtype=None) -> int:
     if _step_temporaries is None:
         return 0
-    return _step_temporaries(config, batch, capacity, page_size, jnp.dtype(dtype), kv_copies)
+    return _step_temporaries(config, batch, capacity, page_size, jnp.dtype(dtype), kv_copies,
+                             resolve_kv_dtype(kv_dtype, dtype))
 
 
 # A cache this much smaller than the free memory fits beside any decode step's temporaries
@@ -168,12 +281,14 @@ def largest_fitting(need_at, free: int, guess: int, limit: int | None = None,
 
 
 def check_fits(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-               dtype=jnp.bfloat16, kv_copies: int = 1, free: int | None = None) -> None:
+               dtype=jnp.bfloat16, kv_copies: int = 1, free: int | None = None,
+               kv_dtype=None) -> None:
     """Refuse (ValueError) a cache of `batch` rows x `capacity` tokens whose bytes, with a
     decode step's temporaries over it, exceed the devices' free memory; the message names
     the largest batch of this context that fits."""
     free = memory_available() if free is None else free
-    kw = dict(page_size=page_size, dtype=dtype, kv_copies=kv_copies)
+    kw = dict(page_size=page_size, dtype=dtype, kv_copies=kv_copies,
+              kv_dtype=resolve_kv_dtype(kv_dtype, dtype))
     need = kv_bytes(config, batch, capacity, **kw)
     if _ROOM_TO_SPARE * need <= free:
         return
@@ -244,21 +359,32 @@ def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
                                cache.page_size)
     layer = jnp.arange(L)[:, None, None]
     keys, values = (replicate_kv_heads(x, cache.k.shape[2], axis=3) for x in (keys, values))
-    k = cache.k.at[layer, page[None], :, slot[None]].set(keys.astype(cache.k.dtype))
-    v = cache.v.at[layer, page[None], :, slot[None]].set(values.astype(cache.v.dtype))
-    return cache.replace(k=k, v=v, lengths=lengths.astype(jnp.int32))
+    at = (layer, page[None], slice(None), slot[None])
+    if cache.k_scale is None:
+        return cache.replace(k=cache.k.at[at].set(keys.astype(cache.k.dtype)),
+                             v=cache.v.at[at].set(values.astype(cache.v.dtype)),
+                             lengths=lengths.astype(jnp.int32))
+    (k8, ks), (v8, vs) = quantize_kv(keys), quantize_kv(values)
+    return cache.replace(k=cache.k.at[at].set(k8), v=cache.v.at[at].set(v8),
+                         k_scale=cache.k_scale.at[at].set(ks),
+                         v_scale=cache.v_scale.at[at].set(vs), lengths=lengths.astype(jnp.int32))
 
 
-def write_token(k_flat: jax.Array, v_flat: jax.Array, pages: jax.Array, slots: jax.Array,
-                k: jax.Array, v: jax.Array):
-    """Write tokens into flattened layer pages (see `layer_pages`).
+def write_token(kv: KVPages, pages: jax.Array, slots: jax.Array, k: jax.Array,
+                v: jax.Array) -> KVPages:
+    """Write tokens into flattened layer pages (see `flat_pages`), quantized for an fp8 cache.
 
     pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
-    Tokens whose page is out of range (>= the number of pages) are dropped. A scatter, which
-    XLA updates in place where the cache is donated or carried (the compiled step's memory
-    analysis: no cache-sized temporary; tests/test_memory.py).
+    Tokens whose page is out of range (>= the number of pages) are dropped. Scatters (the
+    scales' with the same addresses), which XLA updates in place where the cache is donated
+    or carried (the compiled step's memory analysis: no cache-sized temporary;
+    tests/test_memory.py).
     """
-    k, v = (replicate_kv_heads(x, k_flat.shape[1], axis=-2) for x in (k, v))
-    k_flat = k_flat.at[pages, :, slots].set(k.astype(k_flat.dtype), mode="drop")
-    v_flat = v_flat.at[pages, :, slots].set(v.astype(v_flat.dtype), mode="drop")
-    return k_flat, v_flat
+    k, v = (replicate_kv_heads(x, kv.k.shape[1], axis=-2) for x in (k, v))
+    at = (pages, slice(None), slots)
+    if kv.k_scale is None:
+        return KVPages(kv.k.at[at].set(k.astype(kv.k.dtype), mode="drop"),
+                       kv.v.at[at].set(v.astype(kv.v.dtype), mode="drop"))
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    return KVPages(kv.k.at[at].set(k8, mode="drop"), kv.v.at[at].set(v8, mode="drop"),
+                   kv.k_scale.at[at].set(ks, mode="drop"), kv.v_scale.at[at].set(vs, mode="drop"))

@@ -10,7 +10,8 @@ import sys
 import time
 import traceback
 
-from sparsejax.arguments import nonnegative_float, positive_int, ratio
+from sparsejax.arguments import (KV_DTYPE_CHOICES, KV_DTYPE_HELP, nonnegative_float,
+                                 positive_int, ratio)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -138,7 +139,7 @@ def cmd_generate(args) -> int:
     method = method_from_args(args, model, model_dir)
     kw = dict(max_new_tokens=args.max_new_tokens, method=method, temperature=args.temperature,
               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-              draft_tokens=args.draft_tokens)
+              draft_tokens=args.draft_tokens, kv_dtype=args.kv_dtype)
     jax.block_until_ready(sparsejax.generate(model, ids, **kw).tokens)     # compile, warm up
     t0 = time.perf_counter()
     out = sparsejax.generate(model, ids, **kw)
@@ -171,6 +172,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--dtype", choices=["auto", "bf16", "f32"], default="auto",
                    help="compute dtype; auto: the checkpoint's (config.json torch_dtype, else f32)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor parallel over this many devices (README: Several GPUs)")
     p.add_argument("--draft-tokens", type=positive_int, default=None, metavar="N",

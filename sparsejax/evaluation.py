@@ -179,12 +179,13 @@ def task_set(tokenizer, tasks, context: int):
 
 def run_method(model, samples, method, *, batch: int, max_new_tokens: int | None = None,
                timing: bool = True, repeats: int = 3, correct_every: int | None = None,
-               draft_tokens: int | None = None, task_set=None) -> list[dict]:
+               draft_tokens: int | None = None, task_set=None, kv_dtype=None) -> list[dict]:
     """Per sample: correct (its score, in [0, 1]), and per-layer recall / oracle recall /
     attention error averaged over the decode steps it ran, or with `draft_tokens` (lossless
     mode, which has no diagnostics) the tokens it drafted and the dense verify accepted; plus,
     when `timing`, the batch's tokens/s: the median of `repeats` runs after a warm-up (compile
-    excluded). `task_set` (default `SyntheticTasks()`) batches and scores the samples."""
+    excluded). `task_set` (default `SyntheticTasks()`) batches and scores the samples.
+    `kv_dtype`: the KV cache's (`generate`'s), default the model's dtype."""
     task_set = SyntheticTasks() if task_set is None else task_set
     max_new_tokens = task_set.max_new_tokens if max_new_tokens is None else max_new_tokens
     rows, run = [], None
@@ -195,7 +196,7 @@ def run_method(model, samples, method, *, batch: int, max_new_tokens: int | None
         ids, lengths = task_set.batch(chunk + chunk[:1] * (batch - len(chunk)))
         kw = dict(lengths=lengths, max_new_tokens=max_new_tokens, method=method,
                   eos_token_id=task_set.eos_token_id, correct_every=correct_every,
-                  draft_tokens=draft_tokens)
+                  draft_tokens=draft_tokens, kv_dtype=kv_dtype)
         compiled_now = timing and run is None
         if compiled_now:        # every batch has one shape: one compile per method
             run = compile_generate(model, ids, **kw)
@@ -274,7 +275,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
              timing: bool = True, repeats: int = 3, calibrated: bool = True,
              progress=log.info, correct_every: int | None = None,
              sparse_prefill: bool = False, sparse_anchors: bool = False,
-             draft_tokens: int = DRAFT_TOKENS, tokenizer=None) -> dict:
+             draft_tokens: int = DRAFT_TOKENS, tokenizer=None, kv_dtype=None) -> dict:
     """Every method at every budget ratio on `samples` prompts of each task (tasks share
     batches: every prompt has exactly `context` tokens). One result per method, ratio and
     task, plus task "all". Methods are `method_names` (see `parse_methods`) scaled to the
@@ -284,7 +285,8 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
     `correct_every`, `sparse_prefill` and `sparse_anchors` (Kascade's) apply to every method
     they concern: none in lossless mode, whose output is dense decoding's.
     `tokenizer`: the model's; None or the synthetic tasks' vocabulary runs the synthetic tasks
-    (with `vocab`), any other the prose tasks of `sparsejax.tasks` (see `task_set`)."""
+    (with `vocab`), any other the prose tasks of `sparsejax.tasks` (see `task_set`).
+    `kv_dtype`: the KV cache's for every method (see `generate`), default the model's."""
     if not (isinstance(draft_tokens, int) and draft_tokens >= 1):
         raise ValueError(f"draft_tokens={draft_tokens!r}: expected an int >= 1")
 
@@ -300,6 +302,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
            "random (no gates shipped with the model)",
            "calibrated": sorted(fitted.calibration), "correct_every": correct_every,
            "sparse_prefill": sparse_prefill, "sparse_anchors": sparse_anchors,
+           "kv_dtype": kv_dtype or "auto",
            "timing": {"warmup_runs": 1, "repeats": repeats, "statistic": "median"} if timing
            else None, "results": []}
     for ratio in ratios:
@@ -319,7 +322,7 @@ def evaluate(model, *, tasks, context: int, samples: int, ratios, method_names=(
             gamma = draft_tokens if lossless else None
             rows = run_method(model, prompts, method, batch=batch, timing=timing,
                               repeats=repeats, correct_every=None if lossless else correct_every,
-                              draft_tokens=gamma, task_set=chosen_set)
+                              draft_tokens=gamma, task_set=chosen_set, kv_dtype=kv_dtype)
             for task in list(tasks) + (["all"] if len(tasks) > 1 else []):
                 res = summarize(rows, method, model.config, task, gamma)
                 res.update(method=label, budget_ratio=ratio,
@@ -448,7 +451,8 @@ def plot(doc: dict, path: Path, metrics=None, title: str | None = None) -> Path:
 
 
 def add_parser(sub) -> None:
-    from sparsejax.arguments import positive_int, ratio_list, token_list
+    from sparsejax.arguments import (KV_DTYPE_CHOICES, KV_DTYPE_HELP, positive_int, ratio_list,
+                                     token_list)
 
     p = sub.add_parser("eval", help="accuracy / recall / error / speed of every method",
                        description="Accuracy, attention recall, attention-output error and "
@@ -481,6 +485,7 @@ def add_parser(sub) -> None:
                    help="timed runs per method after a warm-up (the median is reported)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto", help=KV_DTYPE_HELP)
     p.add_argument("--no-calibration", action="store_true",
                    help="DELTA/Kascade layer choices from the defaults scaled to the depth, not "
                    "from the calibration shipped beside the model")
@@ -564,7 +569,7 @@ def run(args) -> int:
                    timing=not args.no_timing, repeats=args.repeats,
                    calibrated=not args.no_calibration, correct_every=args.correct_every,
                    sparse_prefill=args.sparse_prefill, sparse_anchors=args.sparse_anchors,
-                   draft_tokens=gamma)
+                   draft_tokens=gamma, kv_dtype=args.kv_dtype)
     print(table(doc))
     if not args.no_timing and speed_note():
         print(speed_note())

@@ -60,9 +60,9 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     valid = jnp.arange(C)[None, :] < num_tokens[:, None]
     pages, slots = kv.token_address(cache.page_table, jnp.where(valid, positions, 0),
                                     cache.page_size)
-    k_flat, v_flat = kv.layer_pages(cache.k), kv.layer_pages(cache.v)
+    cached = kv.flat_pages(cache)
     # invalid tokens point past every layer's pages: the write drops them
-    pages = jnp.where(valid, pages, k_flat.shape[0])
+    pages = jnp.where(valid, pages, cached.k.shape[0])
     filled = held_after(cache.lengths, start, num_tokens)
     tile = None if plan is None else plan.prefill_tile
     head_map = (np.asarray(plan.head_map) if plan is not None and plan.head_map is not None
@@ -72,11 +72,11 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     def layer_step(carry, layer, lp, sel):
         """One layer (index `layer`: an int, or traced when rolled) -> (carry, its sums, the
         selection its tiles chose (Kascade's sparse prefill) or None)."""
-        h, k_flat, v_flat, state = carry
+        h, cached, state = carry
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
-        k_flat, v_flat = kv.write_token(k_flat, v_flat, offset + pages, slots, k, v)
+        cached = kv.write_token(cached, offset + pages, slots, k, v)
         table = cache.page_table + offset
         role = None if tile is None else plan.roles[layer]
         mapped = None
@@ -87,18 +87,20 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         if model.mesh is not None:
             attend = sharded_attention.prefill_attention(attend, model.mesh, c)
         with jax.named_scope("attention_prefill"):
-            out, selected = attend(q, k_flat, v_flat, mapped, table, start, num_tokens)
-        h = finish_layer(c, lp, h, out)
+            out, selected = attend(q.astype(kv.query_dtype(cached.k.dtype, q.dtype)), cached,
+                                   mapped, table, start, num_tokens)
+        h = finish_layer(c, lp, h, out.astype(h.dtype))
         if state is not None and state.kmin is not None:
-            state = method_state.refresh_page_bounds(state, layer, k_flat, offset,
+            state = method_state.refresh_page_bounds(state, layer, cached, offset,
                                                   cache.page_table, start, filled, C)
         layer_sums = None
-        if sums:
+        if sums:   # RESA's mean key: of the keys as cached
             layer_sums = (jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight),
-                          jnp.einsum("bcnd,bc->bnd", k.astype(jnp.float32), weight))
-        return (h, k_flat, v_flat, state), layer_sums, selected
+                          jnp.einsum("bcnd,bc->bnd",
+                                     kv.as_stored(k, cached.k.dtype).astype(jnp.float32), weight))
+        return (h, cached, state), layer_sums, selected
 
-    carry = (h, k_flat, v_flat, cache.state)
+    carry = (h, cached, cache.state)
     if rolled and tile is None:
         def body(carry, layer):
             carry, layer_sums, _ = layer_step(carry, layer,
@@ -115,10 +117,8 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
             sel = sel if selected is None else selected
             per_layer.append(layer_sums)
         stacked_sums = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if sums else None
-    h, k_flat, v_flat, state = carry
-    cache = cache.replace(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape),
-                          state=state)
-    return h, cache, stacked_sums
+    h, cached, state = carry
+    return h, kv.with_pages(cache, cached).replace(state=state), stacked_sums
 
 
 def _layer_weights(params, layer: jax.Array):
@@ -132,19 +132,24 @@ def _layer_weights(params, layer: jax.Array):
     return jax.lax.switch(layer, [functools.partial(lambda lp: lp, lp) for lp in layers])
 
 
-def _attend_chunk(q, k_pages, v_pages, sel, table, start, num_tokens, *, role, plan, capacity):
-    """One layer's attention of a chunk of queries q [B, C, HQ, D] -> (out [B, C, HQ, D], the
-    selection per tile and KV head when the layer selects (Kascade's sparse prefill), else
-    None). A REUSE layer attends to `sel`, already through its head map."""
+def _attend_chunk(q, pages: kv.KVPages, sel, table, start, num_tokens, *, role, plan,
+                  capacity):
+    """One layer's attention of a chunk of queries q [B, C, HQ, D] over the flattened cache
+    `pages` -> (out [B, C, HQ, D], the selection per tile and KV head when the layer selects
+    (Kascade's sparse prefill), else None). A REUSE layer attends to `sel`, already through
+    its head map."""
     tile = None if plan is None else plan.prefill_tile
+    scales = pages.scales()
     if role == Role.REUSE:
-        return paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens, tile=tile,
-                                       indices=sel.indices, count=sel.count).out, None
-    out, lse = paged_prefill_attention(q, k_pages, v_pages, table, start, num_tokens)
+        return paged_prefill_attention(q, pages.k, pages.v, table, start, num_tokens, tile=tile,
+                                       indices=sel.indices, count=sel.count, **scales).out, None
+    out, lse = paged_prefill_attention(q, pages.k, pages.v, table, start, num_tokens, **scales)
     if role not in (Role.SELECT, Role.SELF):   # Kascade's anchors, sparse ones included
         return out, None
     with jax.named_scope("select_tiles"):
-        scores = paged_tile_scores(q, k_pages, table, start, num_tokens, lse, tile=tile)
+        scores = paged_tile_scores(q, pages.k, table, start, num_tokens, lse, tile=tile,
+                                   **({} if pages.k_scale is None else
+                                      dict(k_scale=pages.k_scale)))
         tile_lo = start[:, None] + jnp.arange(scores.shape[1]) * tile
         return out, selection.select_tiles(plan, scores, tile_lo, capacity)
 

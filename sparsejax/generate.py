@@ -202,7 +202,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
              page_size: int | None = None, return_diagnostics: bool = False,
              prefill_chunk: int | None = None, correct_every: int | None = None,
              draft_tokens: int | None = None, mesh=None, logprobs: bool | int = False,
-             pad_token_id: int | None = None, pad_to_bucket: bool = True) -> GenerateOutput:
+             pad_token_id: int | None = None, pad_to_bucket: bool = True,
+             kv_dtype=None) -> GenerateOutput:
     """Generate `max_new_tokens` per row from right-padded `input_ids [B, T]` with `lengths [B]`,
     or from left- or right-padded ones with `attention_mask [B, T]` (1 on the prompt's tokens,
     the Hugging Face convention; concrete arrays: the rows are re-packed to the left on the host).
@@ -239,6 +240,10 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
     computed.
     `pad_to_bucket`: right-pad the prompts to `bucket_length(T)` tokens (lengths unchanged, so
     no row's output changes) and compile once per bucket rather than per prompt width.
+    `kv_dtype`: what the KV cache stores (`cache.resolve_kv_dtype`): None or "auto" the model's
+    dtype, "bf16", "f32", or "fp8" (float8_e4m3fn with a scale per token and KV head: half a
+    bf16 cache's bytes; every method, lossless mode and the diagnostics then read that cache,
+    dense attention included).
 
     Concrete `input_ids` must be integer ids in [0, vocab) and `lengths` integers in [1, T];
     a ValueError names the values that are not. Traced ones (generate called inside a jit)
@@ -252,7 +257,8 @@ def generate(model: Model, input_ids, *, lengths=None, attention_mask=None, max_
                             page_size=page_size, return_diagnostics=return_diagnostics,
                             prefill_chunk=prefill_chunk, correct_every=correct_every,
                             draft_tokens=draft_tokens, mesh=mesh, logprobs=logprobs,
-                            pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket)
+                            pad_token_id=pad_token_id, pad_to_bucket=pad_to_bucket,
+                            kv_dtype=kv_dtype)
     return _run_within_memory(args, static)
 
 
@@ -308,8 +314,10 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
              method=None, temperature: float = 0.0, top_k=None, top_p=None, eos_token_id=None,
              rng=None, seed=None, page_size=None, return_diagnostics: bool = False,
              prefill_chunk=None, correct_every=None, draft_tokens=None, mesh=None,
-             logprobs=False, pad_token_id=None, pad_to_bucket: bool = True):
+             logprobs=False, pad_token_id=None, pad_to_bucket: bool = True, kv_dtype=None):
     """Validate generate's arguments -> (traced args, static args) of `_generate`."""
+    stored = kv.resolve_kv_dtype(kv_dtype, model.dtype)
+    kv_dtype = None if stored == jnp.dtype(model.dtype) else stored.name   # static: hashable
     if eos_token_id is None:
         eos_token_id = () if model.config.eos_token_id is None else model.config.eos_token_id
     eos = tuple(int(e) for e in np.atleast_1d(np.asarray(eos_token_id, np.int64)))
@@ -375,7 +383,7 @@ def _prepare(model, input_ids, *, lengths=None, attention_mask=None, max_new_tok
                   sampling=Sampling(float(temperature), top_k, top_p), eos=eos,
                   diagnostics=bool(return_diagnostics), prefill_chunk=prefill_chunk,
                   correct_every=correct_every, draft_tokens=draft_tokens,
-                  top_logprobs=top_logprobs)
+                  top_logprobs=top_logprobs, kv_dtype=kv_dtype)
     return (model, input_ids, lengths, rng), static
 
 
@@ -478,7 +486,7 @@ def prompt_lengths(lengths, batch: int, width: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "plan", "sampling", "eos",
                                              "diagnostics", "prefill_chunk", "correct_every",
-                                             "draft_tokens", "top_logprobs"))
+                                             "draft_tokens", "top_logprobs", "kv_dtype"))
 def _generate(model, input_ids, lengths, rng, **static):
     run = functools.partial(_generate_rows, **static)
     if model.mesh is None:
@@ -496,7 +504,8 @@ def _generate(model, input_ids, lengths, rng, **static):
 
 
 def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, sampling, eos,
-                   diagnostics, prefill_chunk, correct_every, draft_tokens, top_logprobs=None):
+                   diagnostics, prefill_chunk, correct_every, draft_tokens, top_logprobs=None,
+                   kv_dtype=None):
     """`_generate` over the rows of one data shard (all rows without a mesh)."""
     B, T = input_ids.shape
     # the cache holds all but the last token; a speculative round writes γ + 1 past a row's
@@ -506,7 +515,7 @@ def _generate_rows(model, input_ids, lengths, rng, *, max_new_tokens, plan, samp
     # `generate` checks the compiled program's memory (cache and temporaries) before it runs
     cache = kv.allocate(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
                         kv_copies=1 if mesh is None else sharding.kv_copies(model.config, mesh),
-                        check_memory=False)
+                        check_memory=False, kv_dtype=kv_dtype)
     if mesh is not None:
         cache = sharding.constrain(cache, sharding.cache_specs(cache, model.config, mesh), mesh)
     # the cache is made inside this program: the prefill's share is what it leaves free
@@ -688,11 +697,13 @@ def _abstract_model(config, dtype) -> Model:
         init_params(config, jax.random.key(0), dtype))))
 
 
-def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, kv_copies: int):
+def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, kv_copies: int,
+                    kv_dtype=None):
     """Shapes of a cache of `batch` rows x `capacity` tokens holding the plan's method state."""
     c = model.config
     make = functools.partial(kv.allocate, c, batch, capacity, page_size=plan.page_size,
-                             dtype=model.dtype, kv_copies=kv_copies, check_memory=False)
+                             dtype=model.dtype, kv_copies=kv_copies, check_memory=False,
+                             kv_dtype=kv_dtype)
     if plan.selector is None:
         return jax.eval_shape(make)
     width = plan.prefill_tile or 1   # a sparse prefill's chunk is a multiple of its tile
@@ -703,15 +714,17 @@ def _abstract_cache(model: Model, batch: int, capacity: int, plan: SparsePlan, k
 
 @functools.lru_cache(maxsize=32)
 def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
-                       dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None):
+                       dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None,
+                       kv_dtype=None):
     """XLA's memory analysis of a jitted `decode_step` with the cache donated, at these
-    shapes (compiled, not run). Returns (temporaries, outputs not aliased to the donated cache)
-    in bytes: what the step needs beside its arguments (weights, cache)."""
+    shapes (compiled, not run), for a model of `dtype` over a cache of `kv_dtype`. Returns
+    (temporaries, outputs not aliased to the donated cache) in bytes: what the step needs
+    beside its arguments (weights, cache)."""
     from sparsejax.plan import dense_plan
 
     plan = dense_plan(config, page_size) if plan is None else plan
     model = _abstract_model(config, jnp.dtype(dtype))
-    cache = _abstract_cache(model, batch, capacity, plan, kv_copies)
+    cache = _abstract_cache(model, batch, capacity, plan, kv_copies, kv_dtype)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     step = jax.jit(functools.partial(decode_step, plan=plan), donate_argnums=1)
     m = step.lower(model, cache, tokens).compile().memory_analysis()
@@ -721,19 +734,20 @@ def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
 @functools.lru_cache(maxsize=32)
 def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: int,
                    page_size: int = 16, dtype=jnp.bfloat16, kv_copies: int = 1,
-                   plan: SparsePlan | None = None):
+                   plan: SparsePlan | None = None, kv_dtype=None):
     """XLA's memory analysis of a jitted `prefill` of `batch` prompts of `prompt_len` tokens,
-    `chunk` tokens a step, into a donated cache of `capacity` tokens per row (compiled, not
-    run; steps of `extend.ROLLED_MIN_TOKENS` or more compile one layer). Returns
-    (temporaries, outputs not aliased to the donated cache) in bytes: what the prefill needs
-    beside the weights and the cache (a chunk's activations and attention buffers)."""
+    `chunk` tokens a step, into a donated cache (of `kv_dtype`) of `capacity` tokens per row
+    (compiled, not run; steps of `extend.ROLLED_MIN_TOKENS` or more compile one layer).
+    Returns (temporaries, outputs not aliased to the donated cache) in bytes: what the
+    prefill needs beside the weights and the cache (a chunk's activations and attention
+    buffers)."""
     from sparsejax.plan import dense_plan
 
     plan = dense_plan(config, page_size) if plan is None else plan
     model = _abstract_model(config, jnp.dtype(dtype))
     cache = jax.eval_shape(functools.partial(
         kv.allocate, config, batch, capacity, page_size=plan.page_size, dtype=model.dtype,
-        kv_copies=kv_copies, check_memory=False))
+        kv_copies=kv_copies, check_memory=False, kv_dtype=kv_dtype))
     ids = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fill = jax.jit(functools.partial(_prefill, plan=plan, chunk=chunk), donate_argnums=1)
@@ -741,7 +755,7 @@ def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: in
     return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies) -> int:
+def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies, kv_dtype) -> int:
     """What a cache allocated for the step API needs beside itself: the larger of its
     prefill's temporaries (a prompt filling it, the chunk chosen from the free memory) and
     its donated decode step's (the decode step's alone for a cache laid out for a mesh,
@@ -749,11 +763,13 @@ def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies) -> i
     from sparsejax.plan import dense_plan
 
     if kv_copies != 1:
-        return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies))
+        return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies,
+                                      kv_dtype=kv_dtype))
     plan = dense_plan(config, page_size)
-    cache = kv.kv_bytes(config, batch, capacity, page_size=page_size, dtype=dtype)
+    cache = kv.kv_bytes(config, batch, capacity, page_size=page_size, dtype=dtype,
+                        kv_dtype=kv_dtype)
     return program_bytes_at(config, batch, capacity, capacity, plan, dtype,
-                            kv.memory_available()) - cache
+                            kv.memory_available(), kv_dtype=kv_dtype) - cache
 
 
 kv.register_step_temporaries(_step_temporaries)
@@ -769,39 +785,44 @@ def _device_free(device) -> int:
 
 
 def max_batch(config, context: int, *, dtype=jnp.bfloat16, device=None, method=None,
-              page_size: int | None = None, free_bytes: int | None = None) -> int:
+              page_size: int | None = None, free_bytes: int | None = None,
+              kv_dtype=None) -> int:
     """How many rows of `context` tokens (prompt + generated) fit on `device` (default: the
-    first) beside what is already on it (load the model first): the largest batch whose cache,
-    with the larger of its prefill's temporaries (a prompt of `context` tokens in the chunks
-    `generate` would choose) and its donated decode step's (XLA's memory analysis of each
-    compiled program, with `method`'s state), fits in its free memory (`free_bytes` overrides
-    it). The answer `allocate` and `generate` accept."""
+    first) beside what is already on it (load the model first): the largest batch whose cache
+    (of `kv_dtype`, default the model's `dtype`; "fp8" about halves its bytes), with the larger
+    of its prefill's temporaries (a prompt of `context` tokens in the chunks `generate` would
+    choose) and its donated decode step's (XLA's memory analysis of each compiled program,
+    with `method`'s state), fits in its free memory (`free_bytes` overrides it). The answer
+    `allocate` and `generate` accept."""
     if not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r}: expected an int >= 1 (tokens per row)")
     plan = as_plan(method, config, page_size)
     free = _device_free(device or jax.devices()[0]) if free_bytes is None else free_bytes
     dtype = jnp.dtype(dtype)
-    row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype)
+    kv_dtype = kv.resolve_kv_dtype(kv_dtype, dtype)
+    row = kv.kv_bytes(config, 1, context, page_size=plan.page_size, dtype=dtype,
+                      kv_dtype=kv_dtype)
     if row > free:
         return 0
     return kv.largest_fitting(
-        lambda b: program_bytes_at(config, b, context, context, plan, dtype, free), free,
-        free // row)
+        lambda b: program_bytes_at(config, b, context, context, plan, dtype, free,
+                                   kv_dtype=kv_dtype), free, free // row)
 
 
 def program_bytes_at(config, batch: int, prompt_len: int, capacity: int, plan: SparsePlan,
-                     dtype, free: int, kv_copies: int = 1) -> int:
-    """Bytes a generate of `batch` rows x `capacity` tokens needs beside the weights: its cache,
-    then the larger of the prefill's temporaries (in the chunk `generate` chooses with `free`
-    bytes free) and the donated decode step's (XLA's memory analysis of each program)."""
+                     dtype, free: int, kv_copies: int = 1, kv_dtype=None) -> int:
+    """Bytes a generate of `batch` rows x `capacity` tokens needs beside the weights: its cache
+    (of `kv_dtype`), then the larger of the prefill's temporaries (in the chunk `generate`
+    chooses with `free` bytes free) and the donated decode step's (XLA's memory analysis of
+    each program)."""
     cache = kv.kv_bytes(config, batch, capacity, page_size=plan.page_size, dtype=dtype,
-                        kv_copies=kv_copies)
+                        kv_copies=kv_copies, kv_dtype=kv_dtype)
     chunk = choose_prefill_chunk(config, batch, prompt_len, tile=plan.prefill_tile,
                                  free_bytes=free - cache, span=capacity, dtype=dtype)
     step = sum(decode_step_memory(config, batch, capacity, plan.page_size, dtype, kv_copies,
-                                  plan))
+                                  plan, kv_dtype))
     fill = sum(prefill_memory(config, batch, prompt_len, capacity, chunk, plan.page_size,
-                              dtype, kv_copies, plan))
+                              dtype, kv_copies, plan, kv_dtype))
     return cache + max(step, fill)
 
 
@@ -825,7 +846,8 @@ def _run_within_memory(args, static):
                 + (0 if st["draft_tokens"] is None else st["draft_tokens"] + 1))
     plan = st["plan"]
     free = kv.memory_available()
-    cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype)
+    cache = kv.kv_bytes(model.config, B, capacity, page_size=plan.page_size, dtype=model.dtype,
+                        kv_dtype=st["kv_dtype"])
     traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
     if traced or kv._ROOM_TO_SPARE * cache <= free:   # inside a jit, or room to spare
         return _generate(*args, **static)

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsejax import method_state, resa, selection, sharded_attention
-from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
-                             token_address, write_token)
+from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat_pages,
+                             layer_page_ids, query_dtype, token_address, with_pages,
+                             write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
 from sparsejax.models.decoder import ForwardOutput
@@ -48,8 +49,7 @@ class StepContext(NamedTuple):
 
 class Carry(NamedTuple):
     h: jax.Array
-    k: jax.Array            # [L * num_pages, HK, P, D]
-    v: jax.Array
+    kv: KVPages             # [L * num_pages, HK, P, D] (+ fp8 scales)
     sel: Selection
     state: MethodState | None
 
@@ -65,6 +65,12 @@ class LayerContext(NamedTuple):
     state: MethodState | None
     static_layer: int | None = None   # the layer's index where it is known at trace time
     head_shards: Any = None  # `sharded_attention.HeadShards` inside its shard_map, else None
+    k_scale: jax.Array | None = None  # [L * num_pages, HK, P] f32: an fp8 cache's scales
+    v_scale: jax.Array | None = None
+
+    def scales(self) -> dict:
+        """The kernels' scale arguments (none for a bf16 / f32 cache)."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
 
 def _tables(plan: SparsePlan, config):
@@ -87,7 +93,7 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
                       cache.capacity, head_map, retrieval)
     sel = (selection.empty_selection(plan, c, B, cache.capacity) if plan.selector is not None
            else Selection.empty(B, 1, 1))
-    carry = Carry(h, layer_pages(cache.k), layer_pages(cache.v), sel, cache.state)
+    carry = Carry(h, flat_pages(cache), sel, cache.state)
     layer_fn = functools.partial(_layer, model=model, plan=plan, ctx=ctx,
                                  num_pages=cache.num_pages, diagnostics=diagnostics)
     diags = []
@@ -103,8 +109,7 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
             diags.append(diag)
         join = lambda *xs: jnp.stack(xs)  # noqa: E731
     diag = jax.tree.map(join, *diags) if diagnostics else None
-    cache = cache.replace(k=carry.k.reshape(cache.k.shape), v=carry.v.reshape(cache.v.shape),
-                          state=carry.state)
+    cache = with_pages(cache, carry.kv).replace(state=carry.state)
     return carry.h, cache, diag
 
 
@@ -114,29 +119,33 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
     lp = layer_params(model.params, layer)
     with jax.named_scope("qkv"):
         q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
-    k_flat, v_flat = write_token(carry.k, carry.v, layer_page_ids(ctx.pages, layer, num_pages),
-                                 ctx.slots, k, v)
+    kv = write_token(carry.kv, layer_page_ids(ctx.pages, layer, num_pages), ctx.slots, k, v)
     state = carry.state
-    if plan.selector is not None:
-        state = method_state.update_state(plan, state, layer, ctx, k, v)
+    if plan.selector is not None:   # the state describes the token as cached
+        state = method_state.update_state(plan, state, layer, ctx, as_stored(k, kv.k.dtype),
+                                          as_stored(v, kv.v.dtype))
     table = layer_page_ids(ctx.page_table, layer, num_pages)
-    at = LayerContext(ctx, layer, q, k_flat, v_flat, table, state, static_layer)
+    # a cache stored in another float dtype than the model's is read with queries of its own
+    q = q.astype(query_dtype(kv.k.dtype, q.dtype))
+    at = LayerContext(ctx, layer, q, kv.k, kv.v, table, state, static_layer,
+                      k_scale=kv.k_scale, v_scale=kv.v_scale)
     attend = _attend if model.mesh is None else sharded_attention.decode_attention(_attend, model.mesh)
     with jax.named_scope(f"attention_{role.name.lower()}"):
         out, sel, attended = attend(role, plan, c, at, carry.sel)
+    out = out.astype(carry.h.dtype)
     h = finish_layer(c, lp, carry.h, out)
     diag = None
     if diagnostics:
         diag = _diagnostics(plan, c, at, out, attended, sel)
         # the layer's input and its attention block's output (Kascade's layer importance)
         diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
-    return Carry(h, k_flat, v_flat, sel, state), diag
+    return Carry(h, kv, sel, state), diag
 
 
 def _dense(at: LayerContext, **kwargs):
     """Dense paged attention of the layer's query (`paged_decode_attention`'s result)."""
     return paged_decode_attention(at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                                  **kwargs)
+                                  **at.scales(), **kwargs)
 
 
 def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selection):
@@ -194,7 +203,7 @@ def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits
     prior = resa.layer_prior(at.state, at.layer) if plan.residual is not None else None
     r = sparse_decode_attention(
         q, at.k_pages, at.v_pages, at.table, lengths, sel.indices, sel.count,
-        unit=plan.selector.unit, head_map=head_map, logits=logits,
+        unit=plan.selector.unit, head_map=head_map, logits=logits, **at.scales(),
         prior_query=None if prior is None else prior.mu_q.astype(q.dtype),
         prior_length=None if prior is None else resa.prior_length(plan, prior, lengths))
     if prior is None:

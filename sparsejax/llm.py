@@ -13,6 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from sparsejax import methods as M
+from sparsejax.cache import resolve_kv_dtype
 from sparsejax.generate import generate
 from sparsejax.models import from_pretrained, load_tokenizer
 from sparsejax.models.loading import checkpoint_dir, generation_config
@@ -117,16 +118,20 @@ class LLM:
     (`methods.fitted_beside`; `calibrated=False` keeps the defaults scaled to the depth).
     Prompts pad to a length bucket (`sparsejax.generate.bucket_length`): one compile serves
     every length in a bucket. dtype: "auto" is the checkpoint's (`from_pretrained`).
+    kv_cache_dtype: what the KV cache stores (vLLM's name): "auto" the model's dtype, "bf16",
+    "f32" or "fp8" (float8_e4m3fn with per-token scales; see `generate`'s kv_dtype).
     """
 
     def __init__(self, path_or_id: str | Path, *, method=None, dtype="auto",
-                 budget_ratio: float = 0.1, calibrated: bool = True):
+                 budget_ratio: float = 0.1, calibrated: bool = True, kv_cache_dtype="auto"):
         if isinstance(method, str) and method not in M.REGISTRY:
             raise ValueError(f"method={method!r}: expected a method or one of {tuple(M.REGISTRY)}")
         if not 0 < budget_ratio <= 1:
             raise ValueError(f"budget_ratio={budget_ratio}: expected 0 < budget_ratio <= 1")
         self.path = checkpoint_dir(path_or_id)
         self.model = from_pretrained(self.path, dtype=dtype)
+        resolve_kv_dtype(kv_cache_dtype, self.model.dtype)      # refused before any prompt
+        self.kv_cache_dtype = kv_cache_dtype
         self.tokenizer = load_tokenizer(self.path)
         self.method, self.budget_ratio = method, budget_ratio
         self.fitted = (M.fitted_beside(self.path, self.model, calibrated)
@@ -238,7 +243,7 @@ class LLM:
                        top_k=None if greedy or p.top_k < 1 else min(p.top_k, vocab),
                        top_p=None if greedy or p.top_p >= 1 else float(p.top_p),
                        eos_token_id=eos + tuple(p.stop_token_ids), seed=seed,
-                       logprobs=p.logprobs)
+                       logprobs=p.logprobs, kv_dtype=self.kv_cache_dtype)
         tokens, num = np.asarray(out.tokens), np.asarray(out.num_generated)
         chosen = None if out.logprobs is None else np.asarray(out.logprobs)
         top = None if out.top_logprobs is None else tuple(map(np.asarray, out.top_logprobs))

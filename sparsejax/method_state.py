@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import resa
-from sparsejax.cache import (MethodState, PagedKVCache, layer_page_ids, layer_pages,
-                             replicate_kv_heads, token_address)
+from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, dequantized_pages,
+                             flat_pages, layer_page_ids, replicate_kv_heads, token_address)
 from sparsejax.models import Model
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.plan import Score, SparsePlan
@@ -17,10 +17,12 @@ from sparsejax.plan import Score, SparsePlan
 def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
                plan: SparsePlan) -> MethodState | None:
     kmin = kmax = prior = None
+    # the state describes the keys and values as cached (an fp8 cache's, dequantized)
+    keys, values = (as_stored(x, cache.k.dtype) for x in (out.keys, out.values))
     if plan.selector.score == Score.QUEST_BOUND:
-        kmin, kmax = _page_bounds(cache, out.keys, cache.lengths)
+        kmin, kmax = _page_bounds(cache, keys, cache.lengths)
     if plan.residual is not None:
-        prior = resa.init_prior(out, cache.lengths)
+        prior = resa.init_prior(out._replace(keys=keys, values=values), cache.lengths)
     if kmin is None and prior is None:
         return None
     return MethodState(prior=prior, kmin=kmin, kmax=kmax)
@@ -54,19 +56,21 @@ def empty_page_bounds(cache: PagedKVCache) -> MethodState:
                        kmax=jnp.full(shape, -jnp.inf, jnp.float32))
 
 
-def refresh_page_bounds(state: MethodState, layer: int, k_flat: jax.Array, offset: int,
+def refresh_page_bounds(state: MethodState, layer: int, pages: KVPages, offset: int,
                         page_table: jax.Array, start: jax.Array, filled: jax.Array,
                         num_tokens: int) -> MethodState:
     """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
     start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
     after K/V are overwritten (a running min/max could not forget the old keys), and a page
     with no position below `filled` is empty again (+inf / -inf: rejected draft tokens).
-    k_flat [L * num_pages, HK, P, D]; `offset` = layer * num_pages."""
-    P, max_pages = k_flat.shape[2], page_table.shape[1]
+    pages: the flattened cache (`cache.flat_pages`), its keys dequantized when fp8; `offset` =
+    layer * num_pages."""
+    P, max_pages = pages.k.shape[2], page_table.shape[1]
     logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
     touched = logical < max_pages
     phys = jnp.take_along_axis(page_table, jnp.clip(logical, 0, max_pages - 1), axis=1)
-    keys = k_flat[offset + phys].astype(jnp.float32)                  # [B, n, HK, P, D]
+    keys = dequantized_pages(pages.k[offset + phys],                  # [B, n, HK, P, D]
+                             None if pages.k_scale is None else pages.k_scale[offset + phys])
     held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
     lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
     hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
@@ -88,16 +92,18 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
     filled = start + kept
     num_layers = cache.k.shape[0]
     if state.kmin is not None:
-        k_flat = layer_pages(cache.k)
+        pages = flat_pages(cache)
         state = jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
-            b, layer, k_flat, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
+            b, layer, pages, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
             start, filled, num_tokens), state)
     if state.prior is not None and plan.residual.fold_decode_tokens:
         offsets = jnp.arange(num_tokens, dtype=jnp.int32)
         positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]
         pages, slots = token_address(cache.page_table, positions, cache.page_size)
-        k = jnp.moveaxis(cache.k[:, pages, :, slots], 2, 0)                   # [L, B, C, HK, D]
-        v = jnp.moveaxis(cache.v[:, pages, :, slots], 2, 0)
+        k, v = (jnp.moveaxis(dequantized_pages(x[:, pages, :, slots],         # [L, B, C, HK, D]
+                                               None if scale is None else
+                                               scale[:, pages, :, slots]), 2, 0)
+                for x, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)))
         valid = offsets[None, :] < kept[:, None]
         state = state.replace(prior=jax.lax.fori_loop(
             0, num_layers, lambda layer, prior: resa.fold_tokens(prior, layer, k[layer], v[layer],
@@ -106,8 +112,9 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
 
 
 def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
-    """Fold this step's key [B, HK, D] into the per-layer state (Quest bounds, RESA's optional
-    fold); ctx.pages [B] are the physical pages it was written to."""
+    """Fold this step's key [B, HK, D] (as cached: `cache.as_stored`) into the per-layer state
+    (Quest bounds, RESA's optional fold); ctx.pages [B] are the physical pages it was written
+    to."""
     if state is None:
         return None
     if state.kmin is not None:

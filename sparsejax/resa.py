@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import sharded_attention
-from sparsejax.cache import layer_pages
+from sparsejax.cache import flat_pages, query_dtype
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention
 
@@ -56,17 +56,17 @@ def prior_from_cache(model, cache, mu_q: jax.Array, mu_k: jax.Array, length: jax
     """Stacked [L, ...] priors from the paged cache: mu_q [L, B, HQ, D] and mu_k [L, B, HK, D]
     (f32 means over each row's first `length` [B] tokens) with lse and o_est attended over
     those tokens by the paged decode kernel (chunked prefill; re-folding after a correction)."""
-    k_flat, v_flat = layer_pages(cache.k), layer_pages(cache.v)
+    pages = flat_pages(cache)
 
-    def attend(q, k_pages, v_pages, table, length):
-        r = paged_decode_attention(q, k_pages, v_pages, table, length)
+    def attend(q, pages, table, length):
+        r = paged_decode_attention(q, pages.k, pages.v, table, length, **pages.scales())
         return r.lse, r.out.astype(jnp.float32)
 
     if model.mesh is not None:
         attend = sharded_attention.prior_attention(attend, model.mesh, model.config)
     lse, o_est = [], []
     for layer in range(mu_q.shape[0]):
-        r = attend(mu_q[layer].astype(k_flat.dtype), k_flat, v_flat,
+        r = attend(mu_q[layer].astype(query_dtype(pages.k.dtype, model.dtype)), pages,
                    cache.page_table + layer * cache.num_pages, length)
         lse.append(r[0])
         o_est.append(r[1])

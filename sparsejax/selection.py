@@ -227,20 +227,22 @@ def pre_attention_scores(plan: SparsePlan, at):
     if s.score == Score.NONE:
         return None, None
     return scores_pass(plan, at.q, at.k_pages, at.v_pages, at.table, at.step.lengths,
-                       sharded=at.head_shards is not None)
+                       sharded=at.head_shards is not None, scales=at.scales())
 
 
 def scores_pass(plan: SparsePlan, q, k_pages, v_pages, page_table, lengths, *,
-                sharded: bool = False):
+                sharded: bool = False, scales: dict | None = None):
     """A SELF layer's scores pass (no V) -> (scores for `select`, logits or None). Scores
     made of every query head's logits (group sums, head probabilities) come back with those
     logits (`LogitRows`, one row per query head), which the layer's sparse attention reads
-    in place of K, unless RESA's prior, whose queries have no logits, needs K anyway."""
+    in place of K, unless RESA's prior, whose queries have no logits, needs K anyway.
+    `scales`: an fp8 cache's k_scale / v_scale."""
     route = score_route(plan.selector, sharded)
     score = route.kernel_score
     own_logits = plan.residual is None and score in (Score.GROUP_SUM, Score.HEAD_PROBS)
     r = paged_decode_attention(q, k_pages, v_pages, page_table, lengths, values=False,
-                               score=score, pool_scores=not (own_logits or route.topk_pools))
+                               score=score, pool_scores=not (own_logits or route.topk_pools),
+                               **(scales or {}))
     if not own_logits:
         return r.scores, None
     scores = r.scores if route.topk_pools else pool_logit_rows(

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sparsejax.cache import replicate_kv_heads
+from sparsejax.cache import KVPages, replicate_kv_heads
 from sparsejax.models import ModelConfig
 from sparsejax.plan import Attended, Role, Selection, attended_head_map
 from sparsejax.sharding import MODEL, STATE_HEADS, current_mesh, leaf_name, model_size
@@ -125,7 +125,7 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         step = at.step._replace(head_map=None, retrieval=None, capacity=None)   # static: closed over
         spec = _heads_spec(1)
 
-        def local(q, k_pages, v_pages, table, step, retrieval, state, sel):
+        def local(q, k_pages, v_pages, scales, table, step, retrieval, state, sel):
             hk = k_pages.shape[1]
             local_config = dataclasses.replace(config, num_heads=q.shape[1], num_kv_heads=hk)
             step = step._replace(retrieval=retrieval, capacity=at.step.capacity,
@@ -134,6 +134,7 @@ def decode_attention(attend: Callable, mesh) -> Callable:
             # static per-layer paths (which read the global plan's tables) are off.
             local_at = at._replace(step=step, layer=jnp.zeros((), jnp.int32), static_layer=None,
                                    q=q, k_pages=k_pages, v_pages=v_pages, table=table,
+                                   k_scale=scales[0], v_scale=scales[1],
                                    state=state, head_shards=HeadShards(MODEL, copies))
             out, new_sel, _ = attend(role, plan, local_config, local_at, sel)
             if from_local is not None:
@@ -142,11 +143,15 @@ def decode_attention(attend: Callable, mesh) -> Callable:
 
         state_specs = None if state_in is None else jax.tree_util.tree_map_with_path(
             lambda path, _: _heads_spec(2) if STATE_HEADS[leaf_name(path)] else P(), state_in)
+        # an fp8 cache's scales [L * num_pages, HK, P] lie like its pages; (None, None) else
+        scales = (at.k_scale, at.v_scale)
+        scale_specs = (None, None) if at.k_scale is None else (spec, spec)
         out, new_sel = _on_devices(
             local, mesh,
-            (heads.per_q(at.q), at.k_pages, at.v_pages, at.table, step, retrieval, state_in,
-             sel_in),
-            (spec, spec, spec, P(), P(), spec, state_specs, P() if to_device is None else spec),
+            (heads.per_q(at.q), at.k_pages, at.v_pages, scales, at.table, step, retrieval,
+             state_in, sel_in),
+            (spec, spec, spec, scale_specs, P(), P(), spec, state_specs,
+             P() if to_device is None else spec),
             (spec, sel_out))
         # reuse carries the selection on unchanged (the head-mapped one was this layer's only)
         carried = sel if role == Role.REUSE else new_sel
@@ -170,46 +175,52 @@ def _state_to_device(name: str, x: jax.Array, heads: _Heads) -> jax.Array:
     return x           # per cache head (already laid out like the cache) or headless
 
 
+def _pages_spec(pages: KVPages) -> KVPages:
+    """Specs of a flattened cache (`cache.KVPages`): pages and scales split on their KV heads."""
+    spec = _heads_spec(1)
+    return KVPages(spec, spec, *((None, None) if pages.k_scale is None else (spec, spec)))
+
+
 def prefill_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
-    """`attend(q, k_pages, v_pages, sel, *args) -> (out, new_sel)` of several query tokens per
-    row (q [B, C, HQ, D]; sel and new_sel per tile and KV head [B, tiles, HK, k], or None; args
-    replicated) inside `jax.shard_map` over the KV heads of "model", laid out as in
-    `decode_attention`."""
+    """`attend(q, pages, sel, *args) -> (out, new_sel)` of several query tokens per row (q
+    [B, C, HQ, D]; pages a `cache.KVPages`; sel and new_sel per tile and KV head
+    [B, tiles, HK, k], or None; args replicated) inside `jax.shard_map` over the KV heads of
+    "model", laid out as in `decode_attention`."""
     if model_size(mesh) == 1:
         return attend
 
-    def run(q, k_pages, v_pages, sel, *args):
-        heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
+    def run(q, pages, sel, *args):
+        heads = _Heads(config, pages.k.shape[1] // config.num_kv_heads)
         to_device, from_local, sel_out = _selection_routes(heads, "kv", axis=2)
-        spec = _heads_spec(1)
 
-        def local(q, k_pages, v_pages, sel, *args):
-            out, new_sel = attend(q, k_pages, v_pages, sel, *args)
+        def local(q, pages, sel, *args):
+            out, new_sel = attend(q, pages, sel, *args)
             if new_sel is not None and from_local is not None:
                 new_sel = jax.tree.map(from_local, new_sel)
             return heads.own_q(out, axis=2), new_sel
 
         sel_in = None if sel is None else jax.tree.map(to_device, sel)
-        return _on_devices(local, mesh, (heads.per_q(q, axis=2), k_pages, v_pages, sel_in) + args,
-                           (_heads_spec(2), spec, spec, _heads_spec(2)) + (P(),) * len(args),
+        return _on_devices(local, mesh, (heads.per_q(q, axis=2), pages, sel_in) + args,
+                           (_heads_spec(2), _pages_spec(pages), _heads_spec(2))
+                           + (P(),) * len(args),
                            (_heads_spec(2), sel_out))
     return run
 
 
 def prior_attention(attend: Callable, mesh, config: ModelConfig) -> Callable:
-    """`attend(q, k_pages, v_pages, *args) -> (lse, out)` of one query per row and head (q
-    [B, HQ, D], lse [B, HQ], out [B, HQ, D]; args replicated) inside `jax.shard_map` over the
-    KV heads of "model" (RESA's prior over the cache)."""
+    """`attend(q, pages, *args) -> (lse, out)` of one query per row and head (q [B, HQ, D];
+    pages a `cache.KVPages`; lse [B, HQ], out [B, HQ, D]; args replicated) inside
+    `jax.shard_map` over the KV heads of "model" (RESA's prior over the cache)."""
     if model_size(mesh) == 1:
         return attend
 
-    def run(q, k_pages, v_pages, *args):
-        heads = _Heads(config, k_pages.shape[1] // config.num_kv_heads)
+    def run(q, pages, *args):
+        heads = _Heads(config, pages.k.shape[1] // config.num_kv_heads)
         spec = _heads_spec(1)
 
-        def local(q, k_pages, v_pages, *args):
-            return jax.tree.map(heads.own_q, attend(q, k_pages, v_pages, *args))
+        def local(q, pages, *args):
+            return jax.tree.map(heads.own_q, attend(q, pages, *args))
 
-        return _on_devices(local, mesh, (heads.per_q(q), k_pages, v_pages) + args,
-                           (spec, spec, spec) + (P(),) * len(args), (spec, spec))
+        return _on_devices(local, mesh, (heads.per_q(q), pages) + args,
+                           (spec, _pages_spec(pages)) + (P(),) * len(args), (spec, spec))
     return run

@@ -186,6 +186,40 @@ def path_checks(results: dict) -> None:
                                              mesh=mesh(2)).tokens).tolist()}
 
 
+# ---- an fp8 cache: sharded == unsharded ------------------------------------------------------
+# name -> (kv heads, mesh, method name, generate keywords): the scales travel with the pages
+# through every per-device path (KV heads divided on data x model, replicated on model=4)
+FP8_RUNS = {
+    "kv4/data=2,model=2/dense": (4, lambda: mesh(2, 2), "dense", {}),
+    "kv4/data=2,model=2/quest_chunked": (4, lambda: mesh(2, 2), "quest", dict(prefill_chunk=16)),
+    "kv4/data=2,model=2/lychee+resa": (4, lambda: mesh(2, 2), "lychee+resa", {}),
+    "kv2/model=4/kascade_sparse_anchors": (2, lambda: mesh(4), "kascade_sparse_anchors", {}),
+    "kv2/model=4/kascade_tiles": (2, lambda: mesh(4), "kascade_tiles", {}),
+    "kv2/model=4/lychee_speculative": (2, lambda: mesh(4), "lychee", dict(draft_tokens=2)),
+    "kv2/model=4/delta+resa_correct": (2, lambda: mesh(4), "delta+resa", dict(correct_every=2)),
+}
+
+
+def fp8_checks(results: dict) -> None:
+    ids = prompts()
+    for case, (kv_heads, make_mesh, name, kw) in FP8_RUNS.items():
+        m, method = model(kv_heads), path_methods(kv_heads)[name]
+        run = lambda msh: np.asarray(sparsejax.generate(  # noqa: E731
+            m, ids, lengths=LENGTHS, max_new_tokens=NEW_TOKENS + 1, method=method, mesh=msh,
+            kv_dtype="fp8", **kw).tokens).tolist()
+        results[f"fp8/{case}"] = {"want": run(None), "got": run(make_mesh())}
+    # the control: the runs read an fp8 cache (the log-probabilities differ from an f32 one's)
+    logprobs = [np.asarray(sparsejax.generate(model(4), ids, lengths=LENGTHS, max_new_tokens=2,
+                                              logprobs=True, kv_dtype=kv_dtype).logprobs)
+                for kv_dtype in ("fp8", None)]
+    results["fp8/logprob_difference_from_f32"] = float(np.max(np.abs(logprobs[0] - logprobs[1])))
+    cache = sparsejax.allocate(config(2), 4, 48, page_size=8, mesh=mesh(4, 2), kv_dtype="fp8",
+                               dtype=jnp.float32)
+    results["fp8/specs"] = {name: spec(getattr(cache, name))
+                            for name in ("k", "v", "k_scale", "v_scale")}
+    results["fp8/dtypes"] = [str(cache.k.dtype), str(cache.k_scale.dtype)]
+
+
 # ---- layout: parameters, cache, logits -------------------------------------------------------
 def layout_checks(results: dict) -> None:
     """prefill + 2 decode steps (DELTA + RESA: selection and per-head state) on a data x model
@@ -326,7 +360,8 @@ def error_checks(results: dict) -> None:
 
 if __name__ == "__main__":
     results = {"devices": jax.device_count()}
-    for checks in (error_checks, layout_checks, eager_checks, path_checks, generate_checks):
+    for checks in (error_checks, layout_checks, eager_checks, path_checks, generate_checks,
+                   fp8_checks):
         checks(results)
     with tempfile.TemporaryDirectory() as tmp:
         job_checks(results, tmp)

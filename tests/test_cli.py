@@ -90,6 +90,8 @@ def test_every_registry_method_is_accepted_by_the_cli_eval_and_demo(monkeypatch)
     (["generate", "--prompt", "x", "--tp", "64"], "--tp"),      # more devices than there are
     (["eval", "--tp", "64"], "--tp"),
     (["eval", "--tp", "0"], "--tp"),
+    (["generate", "--prompt", "x", "--kv-dtype", "int8"], "--kv-dtype"),
+    (["eval", "--kv-dtype", "e5m2"], "--kv-dtype"),
     (["calibrate", "--method", "delta", "--out", "x.json", "--samples", "0"], "--samples"),
     (["train-gates", "--model", "x", "--target-heads", "2", "--out", "o", "--steps", "0"],
      "--steps"),

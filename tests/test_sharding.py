@@ -112,6 +112,22 @@ def test_sharded_path_equals_unsharded(results, case):
     assert results[case]["got"] == results[case]["want"]
 
 
+@pytest.mark.parametrize("case", list(checks.FP8_RUNS))
+def test_sharded_fp8_equals_unsharded(results, case):
+    """An fp8 cache (scales split on the KV-head axis with the pages) under a mesh gives the
+    unsharded fp8 run's tokens: one-pass and chunked prefill, Quest's bounds, RESA's prior,
+    sparse anchors, sparse prefill, the speculative verify and cache correction."""
+    assert results[f"fp8/{case}"]["got"] == results[f"fp8/{case}"]["want"]
+
+
+def test_fp8_cache_layout(results):
+    assert results["fp8/logprob_difference_from_f32"] > 1e-4
+    assert results["fp8/dtypes"] == ["float8_e4m3fn", "float32"]
+    assert results["fp8/specs"] == {
+        "k": [None, "data", "model", None, None], "v": [None, "data", "model", None, None],
+        "k_scale": [None, "data", "model", None], "v_scale": [None, "data", "model", None]}
+
+
 def test_jobs_on_a_mesh_match(results):
     """Calibration (tensor parallel over 4 ranks, KV heads replicated) and gate training (over
     2) measure and train what they do without a mesh; the gates moved from their start."""

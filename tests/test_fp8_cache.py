@@ -1,0 +1,280 @@
+"""The fp8 (float8_e4m3fn) KV cache: the quantizer against its error bound, the cache's scale
+layout, every method at full budget on an fp8 cache against dense on the same cache (the
+embedded model), fp8 against bf16 logits, capacity and refused kv_dtype values. (Sharded
+equals unsharded with fp8: test_sharding.py.)"""
+import importlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax
+from sparsejax import cache as kv
+from sparsejax import methods as M
+from sparsejax.models import ModelConfig
+from sparsejax.plan import as_plan
+from sparsejax.train import data
+
+E4M3_MAX = 448.0
+# e4m3 keeps 3 mantissa bits: round to nearest is within half an ulp, 2^-4 of the value for
+# normal numbers; below the smallest normal (2^-6) the ulp is fixed at 2^-9 (of the scale)
+REL_BOUND, SUBNORMAL_ABS = 2.0 ** -4, 2.0 ** -10
+
+
+def e4m3_bound(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Largest round-to-nearest error of each element of x [..., D] stored with scale [...]."""
+    return np.maximum(REL_BOUND * np.abs(x), SUBNORMAL_ABS * scale[..., None]) * (1 + 1e-6)
+
+
+def spread_values(shape, seed=0) -> np.ndarray:
+    """Normal values with each vector (last axis) scaled by its own 10^U(-3, 3): a scale
+    shared along any other axis than the last would lose the small vectors entirely."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, shape[:-1] + (1,))
+            ).astype(np.float32)
+
+
+def test_quantize_round_trip_within_the_e4m3_bound():
+    x = spread_values((3, 5, 4, 8, 32))
+    x[0, 0, 0, 0] = 0.0                       # an all-zero vector stays zero
+    x8, scale = kv.quantize_kv(jnp.asarray(x))
+    assert x8.dtype == jnp.float8_e4m3fn and scale.dtype == jnp.float32
+    assert scale.shape == x.shape[:-1]
+    absmax = np.abs(x).max(-1)
+    np.testing.assert_allclose(np.asarray(scale), np.maximum(absmax / E4M3_MAX,
+                                                             np.finfo(np.float32).tiny),
+                               rtol=1e-6)
+    back = np.asarray(kv.dequantize_kv(x8, scale))
+    assert np.all(np.abs(back - x) <= e4m3_bound(x, np.asarray(scale)))
+    assert np.all(back[0, 0, 0, 0] == 0.0)
+    # the largest element of each vector is 448 * scale: representable exactly
+    idx = np.abs(x).argmax(-1)[..., None]
+    np.testing.assert_allclose(np.take_along_axis(back, idx, -1),
+                               np.take_along_axis(x, idx, -1), rtol=1e-6)
+
+
+def test_quantize_rounds_to_nearest():
+    """Halfway between two e4m3 values (1 and 1.125 at scale 1) rounds to the even one."""
+    x = jnp.asarray([[448.0, 1.0625, 1.1875, -1.0625, 3.0]], jnp.float32)
+    x8, scale = kv.quantize_kv(x)
+    assert float(scale[0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32))[0],
+                                  [448.0, 1.0, 1.25, -1.0, 3.0])
+
+
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                  num_kv_heads=2, head_dim=16, intermediate_size=48)
+
+
+def test_prompt_and_token_writes_keep_each_tokens_scale():
+    """Keys written to an fp8 cache (prompt write and token write, through the page table)
+    read back dequantized within each (token, KV head)'s bound: the scales lie beside their
+    tokens [layers, pages, KV heads, slots]."""
+    L, B, T, HK, D, P = CFG.num_layers, 2, 21, CFG.num_kv_heads, CFG.head_dim, 8
+    cache = kv.allocate(CFG, B, 32, page_size=P, dtype=jnp.float32, kv_dtype="fp8")
+    assert cache.k.dtype == jnp.float8_e4m3fn and cache.k_scale.shape == cache.k.shape[:-1]
+    # a shuffled page table: the writes and reads go through it
+    perm = np.random.default_rng(1).permutation(cache.num_pages).astype(np.int32)
+    cache = cache.replace(page_table=jnp.asarray(perm.reshape(cache.page_table.shape)))
+    keys, values = spread_values((L, B, T, HK, D), 2), spread_values((L, B, T, HK, D), 3)
+    cache = kv.write_prompt(cache, jnp.asarray(keys), jnp.asarray(values),
+                            jnp.full((B,), T, jnp.int32))
+    new_k, new_v = spread_values((B, HK, D), 4), spread_values((B, HK, D), 5)
+    pages, slots = kv.token_address(cache.page_table, jnp.full((B,), T), P)
+    flat = kv.flat_pages(cache)
+    for layer in range(L):
+        flat = kv.write_token(flat, kv.layer_page_ids(pages, layer, cache.num_pages), slots,
+                              jnp.asarray(new_k), jnp.asarray(new_v))
+    cache = kv.with_pages(cache, flat)
+    want = {"k": np.concatenate([keys, np.broadcast_to(new_k[None, :, None], (L, B, 1, HK, D))], 2),
+            "v": np.concatenate([values, np.broadcast_to(new_v[None, :, None], (L, B, 1, HK, D))],
+                                2)}
+    pos = np.arange(T + 1)
+    table = np.asarray(cache.page_table)
+    for name in ("k", "v"):
+        stored, scale = (np.asarray(getattr(cache, name).astype(jnp.float32)),
+                         np.asarray(getattr(cache, f"{name}_scale")))
+        for b in range(B):
+            page, slot = table[b, pos // P], pos % P
+            s = scale[:, page, :, slot].transpose(1, 0, 2)           # [L, T + 1, HK]
+            got = stored[:, page, :, slot].transpose(1, 0, 2, 3) * s[..., None]
+            x = want[name][:, b]
+            assert np.all(np.abs(got - x) <= e4m3_bound(x, s)), (name, b)
+
+
+@pytest.mark.parametrize("value", ["int8", "fp16", "e5m2", 3, jnp.int8])
+def test_bad_kv_dtype_refused_naming_the_accepted_values(value):
+    accepted = r"'auto', 'bf16', 'bfloat16', 'f32', 'float32', 'fp8', 'float8_e4m3fn'"
+    with pytest.raises(ValueError, match=re.escape(f"kv_dtype={value!r}: expected None or one of ")
+                                         + accepted):
+        kv.allocate(CFG, 1, 16, dtype=jnp.float32, kv_dtype=value)
+
+
+def test_kv_dtype_names():
+    f32 = jnp.float32
+    assert kv.resolve_kv_dtype(None, f32) == kv.resolve_kv_dtype("auto", f32) == f32
+    assert kv.resolve_kv_dtype("bf16", f32) == kv.resolve_kv_dtype(jnp.bfloat16, f32) == jnp.bfloat16
+    assert kv.resolve_kv_dtype("fp8", f32) == kv.resolve_kv_dtype("float8_e4m3fn", f32)
+    assert kv.resolve_kv_dtype("fp8", f32) == jnp.float8_e4m3fn
+    assert kv.resolve_kv_dtype(jnp.float16, jnp.float16) == jnp.float16   # the model's own
+
+
+def test_fp8_bytes_and_max_batch(monkeypatch):
+    """An fp8 cache holds D bytes and a 4-byte scale per token and KV head where bf16 holds
+    2 D: the cache's bytes and max_batch follow (1.94x the rows at head_dim 128). The decode
+    step's and the prefill's temporaries are stood in for by a fixed share per row (on CPU
+    they are the jnp reference's copies of the cache, which the GPU kernels do not make)."""
+    gen = importlib.import_module("sparsejax.generate")   # the module, not the function
+
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2,
+                      num_heads=2, num_kv_heads=1, head_dim=128, intermediate_size=48)
+    context, D = 4096, cfg.head_dim
+    bf16 = kv.kv_bytes(cfg, 3, context, dtype=jnp.bfloat16)
+    fp8 = kv.kv_bytes(cfg, 3, context, dtype=jnp.bfloat16, kv_dtype="fp8")
+    assert bf16 == 2 * 2 * 3 * context * D * 2
+    assert fp8 == 2 * 2 * 3 * context * (D + 4)
+    cache = kv.allocate(cfg, 3, context, dtype=jnp.bfloat16, kv_dtype="fp8")
+    assert kv.cache_bytes(cache) == fp8
+    per_row = 10_000
+    for program in ("decode_step_memory", "prefill_memory"):
+        monkeypatch.setattr(gen, program,
+                            lambda config, batch, *args, **kwargs: (batch * per_row, 0))
+    free = 40 * bf16 // 3 + 12345
+    b16 = sparsejax.max_batch(cfg, context, dtype=jnp.bfloat16, free_bytes=free)
+    b8 = sparsejax.max_batch(cfg, context, dtype=jnp.bfloat16, free_bytes=free, kv_dtype="fp8")
+    assert b16 == free // (bf16 // 3 + per_row) == 39
+    assert b8 == free // (fp8 // 3 + per_row)
+    assert b8 >= 1.9 * b16
+
+
+# ---- the embedded model ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def embedded():
+    return sparsejax.from_pretrained(sparsejax.embedded_model_path(), dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    samples = [data.make_sample(t, 192, 11, 0) for t in ("niah", "vt")]
+    return data.prompt_batch(samples)
+
+
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def dense_fp8(embedded, batch):
+    ids, lengths = batch
+    return np.asarray(sparsejax.generate(embedded, ids, lengths=lengths, max_new_tokens=NEW,
+                                         kv_dtype="fp8").tokens)
+
+
+def full_budget(name, model):
+    """A method from the registry whose budget covers every token of these rows."""
+    fitted = M.fitted_beside(sparsejax.embedded_model_path(), model)
+    return M.REGISTRY[name].at_budget(model.config, M.TopK(256), fitted)
+
+
+@pytest.mark.parametrize("name", [n for n in M.REGISTRY if n != "dense"])
+def test_full_budget_with_fp8_equals_dense_with_fp8(embedded, batch, dense_fp8, name):
+    """Dense attention and every method read the same fp8 cache: at a budget covering every
+    token each attends exactly as dense does (diagnostics: recall 1, attention error ~0 against
+    dense over the same cache)."""
+    ids, lengths = batch
+    method = full_budget(name, embedded)
+    if name == "delta":        # and RESA's prior from the dequantized cache adds nothing
+        method = M.RESA(method, lam=1.0)
+    out = sparsejax.generate(embedded, ids, lengths=lengths, max_new_tokens=NEW, method=method,
+                             kv_dtype="fp8", return_diagnostics=True, prefill_chunk=64)
+    np.testing.assert_array_equal(np.asarray(out.tokens), dense_fp8)
+    np.testing.assert_allclose(np.asarray(out.diagnostics["recall"]), 1.0, atol=1e-5)
+    assert float(np.max(out.diagnostics["attn_error"])) < 1e-4
+
+
+def test_lossless_with_fp8_equals_dense_with_fp8(embedded, batch, dense_fp8):
+    """Lossless mode verifies against dense attention over the same fp8 cache."""
+    ids, lengths = batch
+    method = M.REGISTRY["quest"].at_budget(embedded.config, M.TopK(32), M.Fitted())
+    out = sparsejax.generate(embedded, ids, lengths=lengths, max_new_tokens=NEW, method=method,
+                             kv_dtype="fp8", draft_tokens=2)
+    np.testing.assert_array_equal(np.asarray(out.tokens), dense_fp8)
+
+
+def test_fp8_logits_close_to_bf16(embedded, batch):
+    """The same tokens through an f32, a bf16 and an fp8 cache (chunked prefill reading the
+    cache, then decode steps) of the f32 model. Against the f32 cache's logits the fp8 cache's
+    err by at most 6% of the logits' range (4% measured; e4m3 rounds each K/V element by up to
+    2^-4, attention averages the errors), and more than bf16's (unit roundoff 2^-8) by a factor
+    below their roundoffs' ratio 16 (7 measured): the fp8 path is taken, and adds no error of
+    its own beyond rounding. The greedy tokens agree."""
+    ids, lengths = jnp.asarray(batch[0]), jnp.asarray(batch[1])
+    plan = as_plan(None, embedded.config, None)
+    B = ids.shape[0]
+    logits = {}
+    for kv_dtype in ("f32", "bf16", "fp8"):
+        cache = kv.allocate(embedded, B, ids.shape[1] + 8, kv_dtype=kv_dtype)
+        out, cache = sparsejax.prefill(embedded, cache, ids, lengths, plan, chunk=64)
+        steps = [out]
+        for token in (5, 17, 300, 42):
+            out, cache = sparsejax.decode_step(embedded, cache, jnp.full((B,), token, jnp.int32),
+                                               plan)
+            steps.append(out)
+        logits[kv_dtype] = np.stack([np.asarray(x) for x in steps])
+    spread = np.ptp(logits["f32"], axis=-1, keepdims=True)
+    err = {k: np.abs(logits[k] - logits["f32"]) / spread for k in ("bf16", "fp8")}
+    assert err["fp8"].max() < 0.06, err["fp8"].max()
+    assert 2 < err["fp8"].mean() / err["bf16"].mean() < 16, (err["fp8"].mean(),
+                                                              err["bf16"].mean())
+    np.testing.assert_array_equal(logits["fp8"].argmax(-1), logits["f32"].argmax(-1))
+
+
+def test_generate_and_llm_refuse_a_bad_kv_dtype(embedded, batch):
+    ids, lengths = batch
+    with pytest.raises(ValueError, match=r"kv_dtype='fp4': expected None or one of 'auto'"):
+        sparsejax.generate(embedded, ids, lengths=lengths, max_new_tokens=1, kv_dtype="fp4")
+    with pytest.raises(ValueError, match=r"kv_dtype='e4m3': expected None or one of 'auto'"):
+        sparsejax.LLM(sparsejax.embedded_model_path(), kv_cache_dtype="e4m3")
+
+
+@pytest.mark.gpu
+def test_fp8_token_write_is_in_place():
+    """The decode step's write into a donated fp8 cache: k/v and their scales updated in place
+    (no cache-sized temporary). On the GPU only: XLA's CPU backend upcasts a float8 (and a
+    bf16) scatter to f16 / f32, a copy of the array per write; its GPU backend scatters them
+    as the bytes they are. (tests/test_memory.py checks the whole f32 step on CPU.)"""
+    L, pages, HK, P, D, B = 4, 64, 2, 16, 64, 4
+    flat = kv.KVPages(jnp.zeros((L * pages, HK, P, D), jnp.float8_e4m3fn),
+                      jnp.zeros((L * pages, HK, P, D), jnp.float8_e4m3fn),
+                      jnp.ones((L * pages, HK, P), jnp.float32),
+                      jnp.ones((L * pages, HK, P), jnp.float32))
+    size = sum(x.size * x.dtype.itemsize for x in flat)
+    args = (flat, jnp.arange(B, dtype=jnp.int32), jnp.zeros((B,), jnp.int32),
+            jnp.ones((B, HK, D), jnp.float32), jnp.ones((B, HK, D), jnp.float32))
+
+    def write_layers(flat, pages, slots, k, v):
+        for layer in range(L):
+            flat = kv.write_token(flat, pages + layer * 64, slots, k * layer, v)
+        return flat
+
+    compiled = jax.jit(write_layers, donate_argnums=0).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes < size / 8
+    assert memory.alias_size_in_bytes >= size
+    # negative control: keeping the old cache alive beside the new one copies it
+    keep = jax.jit(lambda flat, *a: (write_layers(flat, *a), flat.k_scale * 2),
+                   donate_argnums=0).lower(*args).compile()
+    assert keep.memory_analysis().temp_size_in_bytes >= flat.k_scale.size * 4
+
+
+def test_command_line_generates_over_an_fp8_cache(capsys):
+    """`sparsejax generate --kv-dtype fp8` answers the README's prompt as bf16 does."""
+    from sparsejax import cli
+
+    prompt = ("the special magic number for orca 39 20 34 . leave bird again soon now can high "
+              "wonder snow listen game claim still eat . what is the special magic number for "
+              "orca ? answer : the special magic number for orca")
+    assert cli.main(["generate", "--prompt", prompt, "--method", "delta", "--kv-dtype", "fp8",
+                     "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("39 20 34")
