@@ -60,13 +60,14 @@ def device_memory() -> int:
     return int(stats.get("bytes_limit", 0)) or (1 << 34)
 
 
-def kv_read_bytes(plan, config, batch: int, context: int) -> int:
+def kv_read_bytes(plan, config, batch: int, context: int, kv_dtype=None) -> int:
     """K/V bytes a decode step at `context` must read for this plan (and the page bounds Quest
     reads): dense layers read the whole context, sparse layers what their selection holds."""
     from sparsejax.plan import Role
 
     HQ, HK, D = config.num_heads, config.num_kv_heads, config.head_dim
-    per_token = 2 * D * 2   # K and V, bf16
+    # K and V per token and KV head: bf16, or fp8 with an f32 scale each
+    per_token = 2 * (D + 4) if kv_dtype == "fp8" else 2 * D * 2
     s = plan.selector
     total = 0
     for layer, role in enumerate(plan.roles):
@@ -90,11 +91,11 @@ def kv_read_bytes(plan, config, batch: int, context: int) -> int:
     return total
 
 
-def cache_shapes(config, plan, batch, context):
+def cache_shapes(config, plan, batch, context, kv_dtype=None):
     """The cache's shapes, or None when `allocate` refuses it (more than the device holds)."""
     try:
         return jax.eval_shape(lambda: S.random_cache(config, plan, batch, context, EXTRA_STEPS,
-                                                     jax.random.key(1)))
+                                                     jax.random.key(1), kv_dtype=kv_dtype))
     except ValueError:
         return None
 
@@ -108,9 +109,10 @@ def compile_step(model, plan, cache_shape, batch):
     return step.lower(model, cache_shape, tokens, plan=plan).compile()
 
 
-def time_contexts(compiled, model, config, plan, batch, contexts, steps, key):
+def time_contexts(compiled, model, config, plan, batch, contexts, steps, key, kv_dtype=None):
     """Step time at each context on one cache allocated for the largest."""
-    cache = S.random_cache(config, plan, batch, max(contexts), EXTRA_STEPS, key)
+    cache = S.random_cache(config, plan, batch, max(contexts), EXTRA_STEPS, key,
+                           kv_dtype=kv_dtype)
     tokens = jnp.zeros((batch,), jnp.int32)
     out = {}
     for context in contexts:
@@ -127,13 +129,18 @@ def time_contexts(compiled, model, config, plan, batch, contexts, steps, key):
     return out
 
 
+def results_name(kv_dtype) -> str:
+    return harness.per_gpu_name("decode_matrix" + ("_fp8" if kv_dtype else ""))
+
+
 def plan_for(name, config, context):
     from sparsejax.plan import as_plan
 
     return as_plan(S.method(name, config, context), config, None)
 
 
-def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smoke):
+def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smoke,
+               kv_dtype=None):
     rows, skipped = [], []
     for model_name in models:
         model = S.random_model("tiny" if smoke else model_name)
@@ -143,7 +150,7 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
         for batch in batches:
             for name in methods:
                 plan = plan_for(name, config, max(contexts))
-                shapes = {t: cache_shapes(config, plan, batch, t) for t in contexts}
+                shapes = {t: cache_shapes(config, plan, batch, t, kv_dtype) for t in contexts}
                 # a cell runs where `allocate` accepts its cache beside the loaded weights
                 # (the cache and the compiled step's temporaries fit), as a user's would
                 fit = [t for t in contexts if shapes[t] is not None]
@@ -154,15 +161,16 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
         # compile every (batch, method) at once: XLA compiles in C++ threads
         with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
             futures = [pool.submit(compile_step, model, plan,
-                                   cache_shapes(config, plan, batch, max(fit)), batch)
+                                   cache_shapes(config, plan, batch, max(fit), kv_dtype), batch)
                        for batch, name, plan, fit in groups]
             executables = [f.result() for f in futures]
         dense_ms = {}
         for (batch, name, plan, fit), compiled in zip(groups, executables):
             timed = time_contexts(compiled, model, config, plan, batch, fit, steps,
-                                  jax.random.key(batch))
+                                  jax.random.key(batch), kv_dtype)
             for context, prof in timed.items():
-                floor = (weights + kv_read_bytes(plan, config, batch, context)) / bandwidth * 1e3
+                floor = (weights + kv_read_bytes(plan, config, batch, context, kv_dtype)
+                         ) / bandwidth * 1e3
                 if name == "dense":
                     dense_ms[batch, context] = prof["wall_ms"]
                 dense = dense_ms.get((batch, context))
@@ -179,7 +187,7 @@ def run_matrix(models, batches, contexts, methods, steps, bandwidth, memory, smo
                       f"{prof['busy_ms']:.3f} launches {prof['launches']:.0f} "
                       f"speedup {r['speedup_vs_dense']}", flush=True)
             if not smoke:   # what a cut-off run measured is kept
-                harness.write_results(harness.per_gpu_name("decode_matrix"), rows, partial=True,
+                harness.write_results(results_name(kv_dtype), rows, partial=True,
                                       skipped=skipped)
         del model
     return rows, skipped
@@ -266,8 +274,12 @@ def main():
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--no-trace", action="store_true", help="skip the DELTA trace")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the KV cache's dtype (fp8: results/decode_matrix_fp8*.json)")
     args = p.parse_args()
+    kv_dtype = None if args.kv_dtype == "bf16" else args.kv_dtype
     methods = args.methods.split(",")
     if args.smoke:
         bandwidth, memory = 1e11, 1 << 34
@@ -275,13 +287,14 @@ def main():
         args.steps = 2
     else:
         bandwidth, memory = copy_bandwidth(), device_memory()
-        contexts, batches = CONTEXTS, tuple(int(b) for b in args.batches.split(","))
+        contexts = tuple(int(t) for t in args.contexts.split(","))
+        batches = tuple(int(b) for b in args.batches.split(","))
         models = tuple(args.models.split(","))
     print(f"bandwidth {bandwidth / 1e12:.3f} TB/s (copy), memory {memory / 2**30:.1f} GiB",
           flush=True)
     t0 = time.time()
     rows, skipped = run_matrix(models, batches, contexts, methods, args.steps, bandwidth, memory,
-                               args.smoke)
+                               args.smoke, kv_dtype)
     trace = [] if args.no_trace else run_trace(methods, args.steps, bandwidth, args.smoke)
     print(f"matrix and trace in {time.time() - t0:.0f} s")
     harness.print_table(rows, cols=("case", "context", "batch", "ms", "floor_ms",
@@ -292,7 +305,7 @@ def main():
                 bandwidth_source="device-to-device copy of 2 GiB, bytes read + written",
                 memory_gib=round(memory / 2**30, 1), skipped=skipped, trace=trace,
                 methods={m: S.method.__doc__ for m in methods[:1]})
-    path = harness.write_results(harness.per_gpu_name("decode_matrix"), rows, **meta)
+    path = harness.write_results(results_name(kv_dtype), rows, kv_dtype=args.kv_dtype, **meta)
     doc = __import__("json").loads(path.read_text())
     plot(rows, dict(device=doc["device"], jax=doc["jax_version"], date=doc["date"],
                     bandwidth_tb_s=meta["bandwidth_tb_s"]), path.with_suffix(".png"))

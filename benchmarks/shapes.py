@@ -88,22 +88,34 @@ def weight_bytes(model) -> int:
 # Filled a layer at a time into the donated cache: the temporaries are one layer's, so a
 # cache that fills the GPU beside the model can be built.
 @functools.partial(jax.jit, donate_argnums=0)
-def _fill_layer(x, layer, key):
-    return x.at[layer].set(jax.random.normal(key, x.shape[1:], x.dtype))
-
-
-def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=jnp.bfloat16):
-    """A cache of `context + extra` tokens per row holding `context` random tokens (and random
-    RESA priors / Quest bounds when the plan keeps them)."""
+def _fill_layer(x, scale, layer, key):
+    """Layer `layer` of a cache array (and, for fp8, of its scales) with random N(0, 1) values,
+    quantized as the cache stores them."""
     from sparsejax import cache as kv
 
-    c = kv.allocate(config, batch, context + extra, page_size=plan.page_size, dtype=dtype)
+    values = jax.random.normal(key, x.shape[1:], jnp.bfloat16)
+    if scale is None:
+        return x.at[layer].set(values.astype(x.dtype)), None
+    q, s = kv.quantize_kv(values)
+    return x.at[layer].set(q), scale.at[layer].set(s)
+
+
+def random_cache(config, plan, batch: int, context: int, extra: int, key, dtype=jnp.bfloat16,
+                 kv_dtype=None):
+    """A cache of `context + extra` tokens per row holding `context` random tokens (and random
+    RESA priors / Quest bounds when the plan keeps them); `kv_dtype` as `allocate` takes it."""
+    from sparsejax import cache as kv
+
+    c = kv.allocate(config, batch, context + extra, page_size=plan.page_size, dtype=dtype,
+                    kv_dtype=kv_dtype)
     fill_key, state_key = jax.random.split(key)
-    k, v = c.k, c.v
+    k, v, k_scale, v_scale = c.k, c.v, c.k_scale, c.v_scale
     for layer in range(config.num_layers):
         keys = jax.random.split(jax.random.fold_in(fill_key, layer))
-        k, v = _fill_layer(k, layer, keys[0]), _fill_layer(v, layer, keys[1])
-    c = c.replace(k=k, v=v, lengths=jnp.full((batch,), context, jnp.int32))
+        k, k_scale = _fill_layer(k, k_scale, layer, keys[0])
+        v, v_scale = _fill_layer(v, v_scale, layer, keys[1])
+    c = c.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale,
+                  lengths=jnp.full((batch,), context, jnp.int32))
     return c.replace(state=random_state(config, plan, c, context, state_key))
 
 
