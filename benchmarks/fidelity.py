@@ -48,11 +48,14 @@ def merge(paths: list[Path]) -> dict:
     docs = [json.loads(p.read_text()) for p in paths]
 
     def same(d, key):  # the model by its folder name: runs on other machines have other roots
+        if key == "kv_dtype":      # runs from before the option read the model's dtype
+            return d.get(key, "auto")
         return Path(d[key]).name if key == "model" and d[key] else d[key]
     for p, d in zip(paths[1:], docs[1:]):
-        for key in _SAME:
+        for key in _SAME + ("kv_dtype",):
             if same(d, key) != same(docs[0], key):
-                raise ValueError(f"{p}: {key}={d[key]!r}, but {paths[0]} has {docs[0][key]!r}")
+                raise ValueError(f"{p}: {key}={same(d, key)!r}, but {paths[0]} has "
+                                 f"{same(docs[0], key)!r}")
     results = {(r["method"], r["budget_ratio"], r["task"]): dict(r, date=r.get("date", d["date"]))
                for d in docs for r in d["results"]}  # each result keeps its run's date
     out = dict(docs[0], results=list(results.values()), date=max(d["date"] for d in docs),
