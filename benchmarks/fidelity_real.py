@@ -18,10 +18,11 @@ How it runs in one process: the prompts' dense forward pass is computed once per
 context, and every method decodes greedily from the cache written from it (what `generate`
 does: its prefill is this dense forward for every method here; none runs Kascade's sparse
 prefill), with per-step diagnostics (`sparsejax.layers`: recall, oracle recall, attention error
-per layer). Every decode program has one shape: the prompt keys are right-padded to the
-longest context (lengths unchanged, so no row reads the padding) and every task decodes the
-same number of steps, so each (method, budget) compiles once for every context and task, and
-the programs compile ahead of time in a thread pool while the forward passes run.
+per layer). The decode programs share one shape: the prompt keys are right-padded to the
+longest context (lengths unchanged, so no row reads the padding) and a task decodes its
+longest answer's tokens rounded up to 16, so each (method, budget) compiles once for every
+context and every short-answer task (a long-answer task on which dense passes adds its own),
+ahead of time in a thread pool while the forward passes run.
 
 Targets the table is read against: every seed method (DELTA, Kascade, Lychee with trained
 gates, and RESA on each) at >= 95% of dense accuracy at a 10% budget on every cell where dense
@@ -125,7 +126,7 @@ def run_cell(model, tokenizer, samples, prepared, program, plan, eos, steps):
     """Accuracy, per-sample scores, per-layer recall / oracle recall / error (means over the
     steps each row generated before EOS or its sample's max_new_tokens, then rows), and the
     sparse layers' means. `program`: `_decode` compiled for `plan` and these shapes; `steps`:
-    tokens decoded, one number for every task and context so that each plan compiles once."""
+    tokens decoded (the task's step bucket)."""
     from sparsejax import tasks
 
     out, first, lengths = prepared
@@ -200,18 +201,39 @@ def _plans(names, ratios, config, fitted) -> dict:
     return plans
 
 
-def _compile_all(model, plans: dict, batch: int, width: int, steps: int, workers: int) -> dict:
-    """(name, ratio) -> future of `_decode` compiled for that plan at (batch, width, steps),
-    in a thread pool (XLA compiles without the GIL), dense first."""
-    ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    out, first = jax.eval_shape(_forward, model, ids, lengths)
+STEP_BUCKET = 16
 
-    def build(plan):
-        return _decode.lower(model, out, first, lengths, plan=plan, steps=steps).compile()
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
-    return {key: pool.submit(build, plan) for key, plan in plans.items()}
+def _step_bucket(samples) -> int:
+    """Tokens a task's decode program makes: its longest answer's budget rounded up to
+    STEP_BUCKET, so the short-answer tasks share one program and a long-answer task does not
+    lengthen every decode."""
+    return -(-max(s.max_new_tokens for s in samples) // STEP_BUCKET) * STEP_BUCKET
+
+
+class Programs:
+    """`_decode` compiled ahead of time for each (plan, steps) at (batch, width), in a thread
+    pool (XLA compiles without the GIL): `submit` starts a compile, `get` waits for it."""
+
+    def __init__(self, model, plans: dict, batch: int, width: int, workers: int):
+        self.model, self.plans = model, plans
+        ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+        self.lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        self.out, self.first = jax.eval_shape(_forward, model, ids, self.lengths)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+        self.futures = {}
+
+    def _build(self, key, steps):
+        return _decode.lower(self.model, self.out, self.first, self.lengths,
+                             plan=self.plans[key], steps=steps).compile()
+
+    def submit(self, key, steps: int) -> None:
+        if (key, steps) not in self.futures:
+            self.futures[key, steps] = self.pool.submit(self._build, key, steps)
+
+    def get(self, key, steps: int):
+        self.submit(key, steps)
+        return self.futures[key, steps].result()
 
 
 def measure(args) -> dict:
@@ -241,12 +263,20 @@ def measure(args) -> dict:
                                for seed in range(args.samples)]
              for context in args.contexts for task in args.tasks.split(",")}
     print(f"prompts built ({time.perf_counter() - t0:.0f}s)", flush=True)
-    steps = max(s.max_new_tokens for samples in built.values() for s in samples)
+    steps = {task: _step_bucket([s for (_, t), samples in built.items() if t == task
+                                 for s in samples]) for task in args.tasks.split(",")}
     width = max(args.contexts)
     plans = _plans(names, args.ratios, model.config, fitted)
     t0 = time.perf_counter()
-    programs = _compile_all(model, plans, args.samples, width, steps, args.compile_workers)
-    for (context, task), samples in built.items():
+    programs = Programs(model, plans, args.samples, width, args.compile_workers)
+    # dense for every task's step count; the methods at the shortest (the retrieval tasks')
+    for n in sorted(set(steps.values())):
+        programs.submit(("dense", None), n)
+    for key in plans:
+        programs.submit(key, min(steps.values()))
+    order = sorted(built, key=lambda ct: (steps[ct[1]], ct[0]))   # short answers first
+    for context, task in order:
+        samples = built[context, task]
         cells = [key for key in plans if (key[0], key[1], context, task) not in done]
         if not cells:
             continue
@@ -258,15 +288,18 @@ def measure(args) -> dict:
         for name, ratio in sorted(cells, key=lambda key: key[0] != "dense"):
             if name != "dense" and dense_acc is not None and dense_acc < DENSE_BAR:
                 break                     # the table reads only cells where dense can do it
-            program = programs[name, ratio].result()
+            program = programs.get((name, ratio), steps[task])
             t1 = time.perf_counter()
             cell = run_cell(model, tokenizer, samples, prepared, program, plans[name, ratio],
-                            eos, steps)
+                            eos, steps[task])
             cell.update(method=name, budget_ratio=ratio, context=context, task=task,
                         seconds=round(time.perf_counter() - t1, 2),
                         mean_prompt_tokens=float(np.mean(prepared[2])))
             if name == "dense":
                 dense_acc = cell["accuracy"]
+                if dense_acc >= DENSE_BAR:    # this task's programs, all at once
+                    for key in cells:
+                        programs.submit(key, steps[task])
             doc["results"].append(cell)
             print(f"  {name:<16} {ratio or '':>4} acc {cell['accuracy']:.2f} recall "
                   f"{cell['mean_recall']:.3f} err {cell['mean_attn_error']:.3f} "
