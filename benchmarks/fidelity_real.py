@@ -75,6 +75,8 @@ SEED = ("delta", "kascade", "lychee", "delta+resa", "kascade+resa", "lychee+resa
 DENSE_BAR = 0.75
 TARGET_SHARE = 0.95
 TARGET_RESA_CUT = 0.5
+STEP_BUCKET = 16
+FORWARD_SCORES = 2 ** 27    # attention scores per head a forward chunk holds (rows x T x T)
 
 
 def build_method(name: str, config, ratio: float, fitted: M.Fitted):
@@ -166,16 +168,14 @@ def _save(doc: dict, path: Path) -> None:
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
-def _prompt_cache(model, samples, pad_id: int, context: int, width: int):
-    """The dense forward of `samples` (right-padded to `context`, in row chunks that bound
-    the [rows, heads, T, T] attention scores) with its keys and values right-padded to
-    `width` -> (out, first token, lengths)."""
-    from sparsejax import tasks
-
-    ids, lengths = tasks.prompt_batch(samples, pad_id, length=context)
-    rows = max(1, min(len(samples), 2 ** 27 // context ** 2))
+def _prompt_cache(model, ids: np.ndarray, lengths: np.ndarray, width: int):
+    """The dense forward of right-padded `ids [B, T]` (in row chunks that bound the
+    [rows, heads, T, T] attention scores) with its keys and values right-padded to `width`
+    -> (out, first token, lengths)."""
+    context = ids.shape[1]
+    rows = max(1, min(len(ids), FORWARD_SCORES // context ** 2))
     parts = [_forward(model, jnp.asarray(ids[i:i + rows]), jnp.asarray(lengths[i:i + rows]))
-             for i in range(0, len(samples), rows)]
+             for i in range(0, len(ids), rows)]
     pad = [(0, 0), (0, 0), (0, width - context), (0, 0), (0, 0)]
     out = parts[0][0]._replace(
         keys=jnp.pad(jnp.concatenate([p[0].keys for p in parts], axis=1), pad),
@@ -199,9 +199,6 @@ def _plans(names, ratios, config, fitted) -> dict:
         for ratio in ratios:
             plans[name, ratio] = build_method(name, config, ratio, fitted).to_plan(config)
     return plans
-
-
-STEP_BUCKET = 16
 
 
 def _step_bucket(samples) -> int:
@@ -281,7 +278,8 @@ def measure(args) -> dict:
         if not cells:
             continue
         t1 = time.perf_counter()
-        prepared = _prompt_cache(model, samples, pad_id, context, width)
+        prepared = _prompt_cache(model, *tasks.prompt_batch(samples, pad_id, length=context),
+                                 width)
         print(f"[{context} {task}] forward {time.perf_counter() - t1:.1f}s", flush=True)
         dense_acc = next((r["accuracy"] for r in doc["results"] if r["method"] == "dense"
                           and r["context"] == context and r["task"] == task), None)
