@@ -255,56 +255,65 @@ def measure(args) -> dict:
     names = [n for n in args.methods.split(",") if n]
     if "dense" not in names:
         names.insert(0, "dense")          # the bar every other cell is read against
+    task_names = args.tasks.split(",")
+    contexts = sorted(args.contexts)
     t0 = time.perf_counter()
-    built = {(context, task): [tasks.build(task, tokenizer, context, seed)
-                               for seed in range(args.samples)]
-             for context in args.contexts for task in args.tasks.split(",")}
-    print(f"prompts built ({time.perf_counter() - t0:.0f}s)", flush=True)
-    steps = {task: _step_bucket([s for (_, t), samples in built.items() if t == task
-                                 for s in samples]) for task in args.tasks.split(",")}
-    width = max(args.contexts)
+
+    def build(context):
+        """The context's prompts per task and each task's step bucket."""
+        built = {task: [tasks.build(task, tokenizer, context, seed)
+                        for seed in range(args.samples)] for task in task_names}
+        return built, {task: _step_bucket(samples) for task, samples in built.items()}
+
+    built, steps = build(contexts[0])
+    print(f"{contexts[0]}-token prompts built ({time.perf_counter() - t0:.0f}s)", flush=True)
     plans = _plans(names, args.ratios, model.config, fitted)
-    t0 = time.perf_counter()
-    programs = Programs(model, plans, args.samples, width, args.compile_workers)
-    # dense for every task's step count; the methods at the shortest (the retrieval tasks')
+    programs = Programs(model, plans, args.samples, max(contexts), args.compile_workers)
+    # dense at every task's step count; the methods at the shortest (the retrieval tasks'),
+    # while the prompts of the other contexts are built and the forwards run
     for n in sorted(set(steps.values())):
         programs.submit(("dense", None), n)
     for key in plans:
         programs.submit(key, min(steps.values()))
-    order = sorted(built, key=lambda ct: (steps[ct[1]], ct[0]))   # short answers first
-    for context, task in order:
-        samples = built[context, task]
-        cells = [key for key in plans if (key[0], key[1], context, task) not in done]
-        if not cells:
-            continue
-        t1 = time.perf_counter()
-        prepared = _prompt_cache(model, *tasks.prompt_batch(samples, pad_id, length=context),
-                                 width)
-        print(f"[{context} {task}] forward {time.perf_counter() - t1:.1f}s", flush=True)
-        dense_acc = next((r["accuracy"] for r in doc["results"] if r["method"] == "dense"
-                          and r["context"] == context and r["task"] == task), None)
-        for name, ratio in sorted(cells, key=lambda key: key[0] != "dense"):
-            if name != "dense" and dense_acc is not None and dense_acc < DENSE_BAR:
-                break                     # the table reads only cells where dense can do it
-            program = programs.get((name, ratio), steps[task])
+    for context in contexts:
+        if context != contexts[0]:
             t1 = time.perf_counter()
-            cell = run_cell(model, tokenizer, samples, prepared, program, plans[name, ratio],
-                            eos, steps[task])
-            cell.update(method=name, budget_ratio=ratio, context=context, task=task,
-                        seconds=round(time.perf_counter() - t1, 2),
-                        mean_prompt_tokens=float(np.mean(prepared[2])))
-            if name == "dense":
-                dense_acc = cell["accuracy"]
-                if dense_acc >= DENSE_BAR:    # this task's programs, all at once
-                    for key in cells:
-                        programs.submit(key, steps[task])
-            doc["results"].append(cell)
-            print(f"  {name:<16} {ratio or '':>4} acc {cell['accuracy']:.2f} recall "
-                  f"{cell['mean_recall']:.3f} err {cell['mean_attn_error']:.3f} "
-                  f"({cell['seconds']}s)", flush=True)
-        doc["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        _save(doc, args.out)
-        del prepared
+            built, steps = build(context)
+            print(f"{context}-token prompts built ({time.perf_counter() - t1:.0f}s)", flush=True)
+        for task in sorted(task_names, key=lambda t: steps[t]):      # short answers first
+            samples = built[task]
+            cells = [key for key in plans if (key[0], key[1], context, task) not in done]
+            if not cells:
+                continue
+            t1 = time.perf_counter()
+            ids, lengths = tasks.prompt_batch(samples, pad_id, length=context)
+            prepared = _prompt_cache(model, ids, lengths, max(contexts))
+            print(f"[{context} {task}] forward {time.perf_counter() - t1:.1f}s", flush=True)
+            dense_acc = next((r["accuracy"] for r in doc["results"] if r["method"] == "dense"
+                              and r["context"] == context and r["task"] == task), None)
+            for name, ratio in sorted(cells, key=lambda key: key[0] != "dense"):
+                if name != "dense" and dense_acc is not None and dense_acc < DENSE_BAR:
+                    break                 # the table reads only cells where dense can do it
+                program = programs.get((name, ratio), steps[task])
+                t1 = time.perf_counter()
+                cell = run_cell(model, tokenizer, samples, prepared, program,
+                                plans[name, ratio], eos, steps[task])
+                cell.update(method=name, budget_ratio=ratio, context=context, task=task,
+                            seconds=round(time.perf_counter() - t1, 2),
+                            mean_prompt_tokens=float(np.mean(prepared[2])))
+                if name == "dense":
+                    dense_acc = cell["accuracy"]
+                    if dense_acc >= DENSE_BAR:    # this task's programs, all at once
+                        for key in cells:
+                            programs.submit(key, steps[task])
+                doc["results"].append(cell)
+                print(f"  {name:<16} {ratio or '':>4} acc {cell['accuracy']:.2f} recall "
+                      f"{cell['mean_recall']:.3f} err {cell['mean_attn_error']:.3f} "
+                      f"({cell['seconds']}s)", flush=True)
+            doc["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")
+            _save(doc, args.out)
+            del prepared
     doc["seconds"] = {"total": round(time.perf_counter() - t_start, 1),
                       "after_load": round(time.perf_counter() - t0, 1)}
     summarize(doc)
@@ -393,12 +402,11 @@ def plot(doc: dict, path: Path) -> None:
                 ax.legend(fontsize=7)
             ax.set_xticks(range(len(methods)))
             ax.set_xticklabels(methods, rotation=70, fontsize=7)
-            ax.set_title(f"{context} tokens, budget {ratio:.0%}: "
-                         f"{titles[i]}",
-                         fontsize=9)
-    fig.suptitle(f"{doc.get('model', '')} on real prose ({doc.get('device')}, "
-                 f"{doc.get('samples_per_task')} prompts a task; tasks: {', '.join(sorted({r['task'] for r in results}))})",
-                 fontsize=10)
+            ax.set_title(f"{context} tokens, budget {ratio:.0%}: {titles[i]}", fontsize=9)
+    names = ", ".join(sorted({r["task"] for r in results}))
+    device = doc.get("device_kind") or doc.get("device")
+    fig.suptitle(f"{doc.get('model', '')} on real prose ({device}, "
+                 f"{doc.get('samples_per_task')} prompts a task; tasks: {names})", fontsize=10)
     save(fig, path)
 
 
