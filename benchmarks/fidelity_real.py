@@ -3,19 +3,26 @@ context tasks over real prose (`sparsejax.tasks`): accuracy, attention recall an
 output error per method, budget and context, with the fitted (calibrated / trained) layer
 choices against the defaults scaled to the depth.
 
-    python benchmarks/fidelity_real.py --model smollm2 --contexts 2048 4096 --samples 8 \\
-        [--ratios 0.1 0.2] [--tasks passkey,niah,multikey,qa] [--methods ...]
+    python benchmarks/fidelity_real.py --model FILE.gguf     # the full table (one GPU)
+    python benchmarks/fidelity_real.py --quick               # 2k, 2 tasks, 4 prompts, 3 methods
     python benchmarks/fidelity_real.py plot          # results/fidelity_real.json -> .png
     python benchmarks/fidelity_real.py merge A.json B.json   # runs split by method -> --out
 
-Every cell appends to results/fidelity_real.json as it finishes (a rerun skips the cells
-already there), so a long run can be stopped and resumed.
+The full table: dense and every method with and without RESA (and the fitted choices against
+the defaults) at budgets 10% and 20% of each row's length, contexts 2k / 4k / 8k, 32 prompts a
+task; a task enters a context's table only where dense scores >= 0.75 on it. `--model`
+defaults to $SPARSEJAX_REAL_MODEL, else the installed `smollm2`. Results go to
+results/fidelity_real.json and .png, and are copied to $OUT when it is set.
 
-How a cell runs: the prompts' dense forward pass is computed once per task and context, and
-every method decodes greedily from the cache written from it (what `generate` does: its
-prefill is this dense forward for every method here; none runs Kascade's sparse prefill),
-with per-step diagnostics (`sparsejax.layers`: recall, oracle recall, attention error per
-layer). Sharing the forward pass is what makes a table of ~20 methods per budget fit on a CPU.
+How it runs in one process: the prompts' dense forward pass is computed once per task and
+context, and every method decodes greedily from the cache written from it (what `generate`
+does: its prefill is this dense forward for every method here; none runs Kascade's sparse
+prefill), with per-step diagnostics (`sparsejax.layers`: recall, oracle recall, attention error
+per layer). The decode programs share one shape: the prompt keys are right-padded to the
+longest context (lengths unchanged, so no row reads the padding) and a task decodes its
+longest answer's tokens rounded up to 16, so each (method, budget) compiles once for every
+context and every short-answer task (a long-answer task on which dense passes adds its own),
+ahead of time in a thread pool while the forward passes run.
 
 Targets the table is read against: every seed method (DELTA, Kascade, Lychee with trained
 gates, and RESA on each) at >= 95% of dense accuracy at a 10% budget on every cell where dense
@@ -24,12 +31,15 @@ is >= 0.75; RESA cutting each base method's attention-output error by >= 50%.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import functools
 import json
-import math
+import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,13 +68,18 @@ VARIANTS = {
 DEFAULT_METHODS = ("dense,oracle,streaming,quest,tidal,delta,delta@default,kascade,"
                    "kascade@default,lychee,lychee@random,oracle+resa,streaming+resa,quest+resa,"
                    "tidal+resa,delta+resa,kascade+resa,lychee+resa")
+QUICK = dict(contexts=[2048], ratios=[0.1], tasks="niah,qa", samples=4,
+             methods="dense,oracle,kascade")
+FULL_TASKS = "passkey,niah,multikey,multivalue,vt,cwe,qa"
 SEED = ("delta", "kascade", "lychee", "delta+resa", "kascade+resa", "lychee+resa")
 DENSE_BAR = 0.75
 TARGET_SHARE = 0.95
 TARGET_RESA_CUT = 0.5
+STEP_BUCKET = 16
+FORWARD_SCORES = 2 ** 27    # attention scores per head a forward chunk holds (rows x T x T)
 
 
-def build_method(name: str, config, tokens: int, ratio: float, fitted: M.Fitted):
+def build_method(name: str, config, ratio: float, fitted: M.Fitted):
     base, resa = name.removesuffix("+resa"), name.endswith("+resa")
     registry, use_fitted = VARIANTS[base]
     method = M.REGISTRY[registry].at_budget(config, M.Ratio(ratio),
@@ -109,17 +124,15 @@ def _text_until_eos(tokenizer, ids, eos):
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def run_cell(model, tokenizer, samples, prepared, method, eos, steps):
+def run_cell(model, tokenizer, samples, prepared, program, plan, eos, steps):
     """Accuracy, per-sample scores, per-layer recall / oracle recall / error (means over the
     steps each row generated before EOS or its sample's max_new_tokens, then rows), and the
-    sparse layers' means. `steps`: tokens decoded, one number for every task of a context so
-    that each method compiles once per context."""
+    sparse layers' means. `program`: `_decode` compiled for `plan` and these shapes; `steps`:
+    tokens decoded (the task's step bucket)."""
     from sparsejax import tasks
 
     out, first, lengths = prepared
-    plan = method.to_plan(model.config) if method is not None else None
-    plan = plan or M.Dense().to_plan(model.config)
-    tokens, diag = _decode(model, out, first, lengths, plan=plan, steps=steps)
+    tokens, diag = program(model, out, first, lengths)
     tokens = np.asarray(tokens)
     tokens = [row[:s.max_new_tokens] for row, s in zip(tokens, samples)]
     texts = [_text_until_eos(tokenizer, row, eos) for row in tokens]
@@ -155,15 +168,83 @@ def _save(doc: dict, path: Path) -> None:
     write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
+def _prompt_cache(model, ids: np.ndarray, lengths: np.ndarray, width: int):
+    """The dense forward of right-padded `ids [B, T]` (in row chunks that bound the
+    [rows, heads, T, T] attention scores) with its keys and values right-padded to `width`
+    -> (out, first token, lengths)."""
+    context = ids.shape[1]
+    rows = max(1, min(len(ids), FORWARD_SCORES // context ** 2))
+    parts = [_forward(model, jnp.asarray(ids[i:i + rows]), jnp.asarray(lengths[i:i + rows]))
+             for i in range(0, len(ids), rows)]
+    pad = [(0, 0), (0, 0), (0, width - context), (0, 0), (0, 0)]
+    out = parts[0][0]._replace(
+        keys=jnp.pad(jnp.concatenate([p[0].keys for p in parts], axis=1), pad),
+        values=jnp.pad(jnp.concatenate([p[0].values for p in parts], axis=1), pad),
+        query_means=jnp.concatenate([p[0].query_means for p in parts], axis=1))
+    first = jnp.concatenate([p[1] for p in parts])
+    return out, first, jnp.asarray(lengths)
+
+
+def _plans(names, ratios, config, fitted) -> dict:
+    """(name, ratio) -> plan for every cell to run (dense once, with ratio None); Lychee with
+    trained gates only where the model has them."""
+    plans = {}
+    for name in names:
+        if name == "dense":
+            plans[name, None] = M.Dense().to_plan(config)
+            continue
+        if name.startswith("lychee") and "@" not in name and fitted.retrieval_heads is None:
+            print(f"  {name}: no trained gates for this model, skipped", flush=True)
+            continue
+        for ratio in ratios:
+            plans[name, ratio] = build_method(name, config, ratio, fitted).to_plan(config)
+    return plans
+
+
+def _step_bucket(samples) -> int:
+    """Tokens a task's decode program makes: its longest answer's budget rounded up to
+    STEP_BUCKET, so the short-answer tasks share one program and a long-answer task does not
+    lengthen every decode."""
+    return -(-max(s.max_new_tokens for s in samples) // STEP_BUCKET) * STEP_BUCKET
+
+
+class Programs:
+    """`_decode` compiled ahead of time for each (plan, steps) at (batch, width), in a thread
+    pool (XLA compiles without the GIL): `submit` starts a compile, `get` waits for it."""
+
+    def __init__(self, model, plans: dict, batch: int, width: int, workers: int):
+        self.model, self.plans = model, plans
+        ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
+        self.lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        self.out, self.first = jax.eval_shape(_forward, model, ids, self.lengths)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
+        self.futures = {}
+
+    def _build(self, key, steps):
+        return _decode.lower(self.model, self.out, self.first, self.lengths,
+                             plan=self.plans[key], steps=steps).compile()
+
+    def submit(self, key, steps: int) -> None:
+        if (key, steps) not in self.futures:
+            self.futures[key, steps] = self.pool.submit(self._build, key, steps)
+
+    def get(self, key, steps: int):
+        self.submit(key, steps)
+        return self.futures[key, steps].result()
+
+
 def measure(args) -> dict:
     from sparsejax import tasks
 
+    t_start = time.perf_counter()
     model = sparsejax.from_pretrained(args.model, dtype=jnp.float32)
     tokenizer = sparsejax.load_tokenizer(args.model)
     fitted = M.fitted_beside(args.model, model)
     eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
-    doc = _load(args.out) or {"model": str(Path(str(args.model)).name), "results": []}
-    doc.update(device=jax.default_backend(), host=platform.machine(),
+    pad_id = tokenizer.pad_token_id or 0
+    doc = (_load(args.out) if args.resume else {}) or {"results": []}
+    doc.update(model=Path(str(args.model)).name, device=jax.default_backend(),
+               device_kind=jax.devices()[0].device_kind, host=platform.machine(),
                samples_per_task=args.samples, fitted={
                    "calibration": {k: str(Path(v).relative_to(Path(v).parents[2]))
                                    for k, v in fitted.calibration.items()},
@@ -172,50 +253,69 @@ def measure(args) -> dict:
                fingerprint=sparsejax.artifacts.fingerprint(model).to_json())
     done = {(r["method"], r["budget_ratio"], r["context"], r["task"]) for r in doc["results"]}
     names = [n for n in args.methods.split(",") if n]
-    for context in args.contexts:
+    if "dense" not in names:
+        names.insert(0, "dense")          # the bar every other cell is read against
+    task_names = args.tasks.split(",")
+    contexts = sorted(args.contexts)
+    t0 = time.perf_counter()
+
+    def build(context):
+        """The context's prompts per task and each task's step bucket."""
         built = {task: [tasks.build(task, tokenizer, context, seed)
-                        for seed in range(args.samples)] for task in args.tasks.split(",")}
-        steps = max(s.max_new_tokens for samples in built.values() for s in samples)
-        for task, samples in built.items():
-            todo = [(n, r) for r in args.ratios for n in names
-                    if (n, r if n != "dense" else None, context, task) not in done
-                    and not (n == "dense" and (n, None, context, task) in done)]
-            todo = list(dict.fromkeys((n, None if n == "dense" else r) for n, r in todo))
-            if not todo:
+                        for seed in range(args.samples)] for task in task_names}
+        return built, {task: _step_bucket(samples) for task, samples in built.items()}
+
+    built, steps = build(contexts[0])
+    print(f"{contexts[0]}-token prompts built ({time.perf_counter() - t0:.0f}s)", flush=True)
+    plans = _plans(names, args.ratios, model.config, fitted)
+    programs = Programs(model, plans, args.samples, max(contexts), args.compile_workers)
+    # dense at every task's step count; the methods at the shortest (the retrieval tasks'),
+    # while the prompts of the other contexts are built and the forwards run
+    for n in sorted(set(steps.values())):
+        programs.submit(("dense", None), n)
+    for key in plans:
+        programs.submit(key, min(steps.values()))
+    for context in contexts:
+        if context != contexts[0]:
+            t1 = time.perf_counter()
+            built, steps = build(context)
+            print(f"{context}-token prompts built ({time.perf_counter() - t1:.0f}s)", flush=True)
+        for task in sorted(task_names, key=lambda t: steps[t]):      # short answers first
+            samples = built[task]
+            cells = [key for key in plans if (key[0], key[1], context, task) not in done]
+            if not cells:
                 continue
-            t0 = time.perf_counter()
-            ids, lengths = tasks.prompt_batch(samples, tokenizer.pad_token_id or 0)
-            width = -(-context // 16) * 16        # one shape per context: one compile
-            ids = np.pad(ids, ((0, 0), (0, width - ids.shape[1])))
-            out, first = _forward(model, jnp.asarray(ids), jnp.asarray(lengths))
-            prepared = (out, first, jnp.asarray(lengths))
-            print(f"[{context} {task}] forward {time.perf_counter() - t0:.0f}s", flush=True)
+            t1 = time.perf_counter()
+            ids, lengths = tasks.prompt_batch(samples, pad_id, length=context)
+            prepared = _prompt_cache(model, ids, lengths, max(contexts))
+            print(f"[{context} {task}] forward {time.perf_counter() - t1:.1f}s", flush=True)
             dense_acc = next((r["accuracy"] for r in doc["results"] if r["method"] == "dense"
                               and r["context"] == context and r["task"] == task), None)
-            for name, ratio in sorted(todo, key=lambda x: x[0] != "dense"):
+            for name, ratio in sorted(cells, key=lambda key: key[0] != "dense"):
                 if name != "dense" and dense_acc is not None and dense_acc < DENSE_BAR:
-                    continue              # the table reads only cells where dense can do it
-                if name.startswith("lychee") and "@" not in name and fitted.retrieval_heads \
-                        is None:
-                    print(f"  {name}: no trained gates for this model, skipped", flush=True)
-                    continue
-                tokens = max(1, math.ceil((ratio or 1.0) * context))
-                method = None if name == "dense" else build_method(
-                    name, model.config, tokens, ratio, fitted)
-                t0 = time.perf_counter()
-                cell = run_cell(model, tokenizer, samples, prepared, method, eos, steps)
+                    break                 # the table reads only cells where dense can do it
+                program = programs.get((name, ratio), steps[task])
+                t1 = time.perf_counter()
+                cell = run_cell(model, tokenizer, samples, prepared, program,
+                                plans[name, ratio], eos, steps[task])
                 cell.update(method=name, budget_ratio=ratio, context=context, task=task,
-                            seconds=round(time.perf_counter() - t0, 1),
-                            mean_prompt_tokens=float(np.mean(lengths)))
+                            seconds=round(time.perf_counter() - t1, 2),
+                            mean_prompt_tokens=float(np.mean(prepared[2])))
                 if name == "dense":
                     dense_acc = cell["accuracy"]
+                    if dense_acc >= DENSE_BAR:    # this task's programs, all at once
+                        for key in cells:
+                            programs.submit(key, steps[task])
                 doc["results"].append(cell)
-                doc["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
-                    timespec="seconds")
-                _save(doc, args.out)
                 print(f"  {name:<16} {ratio or '':>4} acc {cell['accuracy']:.2f} recall "
                       f"{cell['mean_recall']:.3f} err {cell['mean_attn_error']:.3f} "
                       f"({cell['seconds']}s)", flush=True)
+            doc["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")
+            _save(doc, args.out)
+            del prepared
+    doc["seconds"] = {"total": round(time.perf_counter() - t_start, 1),
+                      "after_load": round(time.perf_counter() - t0, 1)}
     summarize(doc)
     _save(doc, args.out)
     return doc
@@ -245,17 +345,34 @@ def summarize(doc: dict) -> None:
                             "error": round(base["mean_attn_error"], 4),
                             "error_resa": round(r["mean_attn_error"], 4), "cut": round(c, 3),
                             "meets": c >= TARGET_RESA_CUT})
+    fitted_vs_default = []
+    for r in results:
+        default = {"delta": "delta@default", "kascade": "kascade@default",
+                   "lychee": "lychee@random"}.get(r["method"])
+        d = dense.get((r["context"], r["task"]))
+        other = next((b for b in results if b["method"] == default
+                      and b["budget_ratio"] == r["budget_ratio"]
+                      and b["context"] == r["context"] and b["task"] == r["task"]), None)
+        if other is not None and d is not None and d >= DENSE_BAR:
+            fitted_vs_default.append({
+                "method": r["method"], "budget_ratio": r["budget_ratio"],
+                "context": r["context"], "task": r["task"], "fitted": r["accuracy"],
+                "default": other["accuracy"], "meets": r["accuracy"] >= other["accuracy"]})
     doc["targets"] = {
         "accuracy": {"rule": f"seed method >= {TARGET_SHARE:.0%} of dense where dense >= "
                      f"{DENSE_BAR}", "cells": share,
                      "met": sum(c["meets"] for c in share), "of": len(share)},
         "resa_error_cut": {"rule": f"RESA cuts the base method's mean attention error "
                            f"(sparse layers) by >= {TARGET_RESA_CUT:.0%}", "cells": cut,
-                           "met": sum(c["meets"] for c in cut), "of": len(cut)}}
+                           "met": sum(c["meets"] for c in cut), "of": len(cut)},
+        "fitted_vs_default": {"rule": "the fitted (calibrated / trained) layer choices no worse "
+                              "than the defaults", "cells": fitted_vs_default,
+                              "met": sum(c["meets"] for c in fitted_vs_default),
+                              "of": len(fitted_vs_default)}}
 
 
 def plot(doc: dict, path: Path) -> None:
-    """Accuracy (top) and attention error (bottom) per method, one column per context and
+    """Accuracy, attention recall and attention error (rows) per method, one column per context and
     budget, averaged over the tasks where dense >= 0.75."""
     from sparsejax.plotting import figure, save
 
@@ -264,13 +381,15 @@ def plot(doc: dict, path: Path) -> None:
     cols = sorted({(r["context"], r["budget_ratio"]) for r in results
                    if r["budget_ratio"] is not None})
     methods = list(dict.fromkeys(r["method"] for r in results if r["method"] != "dense"))
-    fig, axes = figure(2, max(1, len(cols)), figsize=(5 * max(1, len(cols)), 7))
+    keys = ("accuracy", "mean_recall", "mean_attn_error")
+    titles = ("accuracy", "attention recall (sparse layers)", "attention error (sparse layers)")
+    fig, axes = figure(len(keys), max(1, len(cols)), figsize=(5 * max(1, len(cols)), 10))
     for j, (context, ratio) in enumerate(cols):
         rows = [r for r in results if r["context"] == context and r["budget_ratio"] == ratio
                 and dense.get((context, r["task"]), 0) >= DENSE_BAR]
         ok = [t for (c, t), a in dense.items() if c == context and a >= DENSE_BAR]
         dense_mean = np.mean([dense[context, t] for t in ok]) if ok else np.nan
-        for i, key in enumerate(("accuracy", "mean_attn_error")):
+        for i, key in enumerate(keys):
             ax = axes[i][j]
             vals = [np.mean([r[key] for r in rows if r["method"] == m] or [np.nan])
                     for m in methods]
@@ -283,13 +402,22 @@ def plot(doc: dict, path: Path) -> None:
                 ax.legend(fontsize=7)
             ax.set_xticks(range(len(methods)))
             ax.set_xticklabels(methods, rotation=70, fontsize=7)
-            ax.set_title(f"{context} tokens, budget {ratio:.0%}: "
-                         f"{'accuracy' if i == 0 else 'attention error (sparse layers)'}",
-                         fontsize=9)
-    fig.suptitle(f"{doc.get('model', '')} on real prose ({doc.get('device')}, "
-                 f"{doc.get('samples_per_task')} prompts a task; tasks: {', '.join(sorted({r['task'] for r in results}))})",
-                 fontsize=10)
+            ax.set_title(f"{context} tokens, budget {ratio:.0%}: {titles[i]}", fontsize=9)
+    names = ", ".join(sorted({r["task"] for r in results}))
+    device = doc.get("device_kind") or doc.get("device")
+    fig.suptitle(f"{doc.get('model', '')} on real prose ({device}, "
+                 f"{doc.get('samples_per_task')} prompts a task; tasks: {names})", fontsize=10)
     save(fig, path)
+
+
+def _copy_to_out(paths) -> None:
+    """Copies of the result files in $OUT (the device machine's returned folder), if set."""
+    folder = os.environ.get("OUT")
+    if not folder:
+        return
+    for path in paths:
+        if Path(path).exists():
+            shutil.copy2(path, Path(folder) / Path(path).name)
 
 
 def main(argv=None) -> int:
@@ -297,14 +425,29 @@ def main(argv=None) -> int:
     p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot", "merge"])
     p.add_argument("inputs", nargs="*", type=Path, help="merge: result files (a later one's "
                    "cell replaces an earlier one's)")
-    p.add_argument("--model", default="smollm2", help="checkpoint directory, .gguf or name")
-    p.add_argument("--contexts", type=int, nargs="+", default=[2048])
+    p.add_argument("--model", default=os.environ.get("SPARSEJAX_REAL_MODEL", "smollm2"),
+                   help="checkpoint directory, .gguf or name (default: $SPARSEJAX_REAL_MODEL, "
+                   "else smollm2)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2])
-    p.add_argument("--tasks", default=",".join(TASKS))
-    p.add_argument("--samples", type=int, default=8, help="prompts per task")
+    p.add_argument("--tasks", default=FULL_TASKS, help="dense runs on each; the methods on "
+                   f"those where dense >= {DENSE_BAR} (default: %(default)s)")
+    p.add_argument("--samples", type=int, default=32, help="prompts per task (default 32)")
     p.add_argument("--methods", default=DEFAULT_METHODS)
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--quick", action="store_true", help="a check of the whole path: "
+                   + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+                   + "; writes to the temporary directory unless --out is given")
+    p.add_argument("--resume", action="store_true", help="keep --out's cells and run the rest")
+    p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="threads compiling the decode programs ahead of time")
+    p.add_argument("--out", type=Path, default=None, help=f"default {OUT}")
     args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if args.out is None:
+        args.out = (Path(tempfile.gettempdir()) / "fidelity_real_quick.json" if args.quick
+                    else OUT)
     if args.command == "merge":
         docs = [_load(p) for p in args.inputs]
         cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]): r
@@ -317,6 +460,7 @@ def main(argv=None) -> int:
         summarize(doc)
         _save(doc, args.out)
     plot(doc, args.out.with_suffix(".png"))
+    _copy_to_out([args.out, args.out.with_suffix(".png")])
     print(json.dumps({k: {kk: v[kk] for kk in ("met", "of")} for k, v in
                       doc["targets"].items()}))
     return 0

@@ -17,7 +17,7 @@
 #          default: about 6 minutes; CAPACITY_ARGS= replaces the flags), peer-capacity
 #          (jax-llm-examples' Llama 3 decode_step at the same shapes; PEER_LLAMA3= its llama3/
 #          folder, default build/jax-llm-examples/llama3), all (default: tests topk decode
-#          sparse step)
+#          sparse step), fidelity-real (SmolLM2's table; SPARSEJAX_REAL_MODEL= the GGUF file)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
 # them there); every step's full output goes to $OUT/device.log. Runs on the image's python3
@@ -133,6 +133,8 @@ for s in "${steps[@]}"; do
                         ${PEER_LLAMA3:-build/jax-llm-examples/llama3} --json "$OUT/peer_capacity.json") ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;
+    # SmolLM2's table (benchmarks/fidelity_real.py): the GGUF from $SPARSEJAX_REAL_MODEL
+    fidelity-real) cmd=($PY benchmarks/fidelity_real.py ${FIDELITY_REAL_ARGS:-}) ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
   echo "== $s: ${cmd[*]}"

@@ -1,0 +1,56 @@
+"""benchmarks/fidelity_real.py runs every context and task through one decode shape: prompt keys
+right-padded past the prompt width (lengths unchanged). The table is only right if the padding
+changes nothing: the same tokens and per-layer diagnostics as decoding at the prompt's own
+width, for a token-unit and a page-unit method at a ratio budget."""
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from small_model import CFG, LENGTHS
+
+from sparsejax import methods as M
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import fidelity_real  # noqa: E402
+
+STEPS = 6
+
+
+@pytest.mark.parametrize("method", [
+    M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=8),
+    M.Quest(ratio=0.2, page_size=16)], ids=["kascade", "quest"])
+def test_padded_prompt_cache_decodes_as_the_prompt_width(model, prompts, method):
+    plan = method.to_plan(CFG)
+    lengths = LENGTHS
+    decoded = {}
+    for width in (prompts.shape[1], prompts.shape[1] + 3 * 16 + 5):
+        out, first, lens = fidelity_real._prompt_cache(model, prompts, lengths, width)
+        assert out.keys.shape[2] == width
+        tokens, diag = fidelity_real._decode(model, out, first, lens, plan=plan, steps=STEPS)
+        decoded[width] = (np.asarray(tokens), {k: np.asarray(v) for k, v in diag.items()})
+    (narrow, d_narrow), (wide, d_wide) = decoded.values()
+    np.testing.assert_array_equal(wide, narrow)
+    for key in ("recall", "oracle_recall", "attn_error"):
+        np.testing.assert_allclose(d_wide[key], d_narrow[key], atol=2e-5, err_msg=key)
+    assert d_narrow["recall"].min() < 0.999       # the budget really left keys out
+
+
+def test_step_bucket():
+    class Sample:
+        def __init__(self, n):
+            self.max_new_tokens = n
+    assert fidelity_real._step_bucket([Sample(9), Sample(16)]) == 16
+    assert fidelity_real._step_bucket([Sample(17)]) == 32
+    assert fidelity_real._step_bucket([Sample(43), Sample(3)]) == 48
+
+
+def test_row_chunks_of_the_forward_match_one_batch(model, prompts, monkeypatch):
+    """The forward in row chunks (bounding the attention scores) equals one batch."""
+    monkeypatch.setattr(fidelity_real, "FORWARD_SCORES", prompts.shape[1] ** 2)  # 1 row a chunk
+    whole = fidelity_real._forward(model, jnp.asarray(prompts), jnp.asarray(LENGTHS))
+    out, first, _ = fidelity_real._prompt_cache(model, prompts, LENGTHS, prompts.shape[1])
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(whole[1]))
+    np.testing.assert_allclose(np.asarray(out.keys), np.asarray(whole[0].keys), atol=1e-5)
