@@ -376,7 +376,6 @@ def plot(doc, path):
     """Left: DELTA's decode trace in tokens/s per method and setting. Right: the decode step
     against the number of GPUs, a colour per method and a line style per batch."""
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
     from sparsejax.plotting import figure, save
 
@@ -402,7 +401,10 @@ def plot(doc, path):
             if pts:
                 ls, marker = styles[batch]
                 bx.plot(*zip(*pts), marker=marker, color=f"C{i}", ls=ls)
-    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    tps = sorted({r["tp"] for r in scaling})
+    bx.set_xticks(tps)   # GPUs come in integers
+    if len(tps) == 1:
+        bx.set_xlim(tps[0] - 1, tps[0] + 1)
     bx.set_xlabel("tensor-parallel GPUs")
     bx.set_ylabel("decode step ms")
     if scaling:

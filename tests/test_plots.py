@@ -94,11 +94,12 @@ def test_decode_attention_floor_is_drawn_at_the_json_devices_bandwidth(saved):
 def test_tensor_parallel_plot_counts_gpus_in_integers_and_keeps_the_legend_off_the_lines(saved):
     import bench_tensor_parallel
 
-    doc = json.loads((BENCHMARKS / "results" / "tensor_parallel.json").read_text())
-    bench_tensor_parallel.plot(doc, Path("x.png"))
-    ax = saved[0].axes[1]
-    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
-    assert ticks == [1, 2]
-    renderer = saved[0].canvas.get_renderer()
-    legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
-    assert legend.x0 >= frame.x1        # beside the axes, not over the lines
+    for name, gpus in (("tensor_parallel_h200", [1, 2]), ("tensor_parallel", [4])):
+        doc = json.loads((BENCHMARKS / "results" / f"{name}.json").read_text())
+        bench_tensor_parallel.plot(doc, Path("x.png"))
+        ax = saved[-1].axes[1]
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == gpus
+        renderer = saved[-1].canvas.get_renderer()
+        legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
+        assert legend.x0 >= frame.x1        # beside the axes, not over the lines
