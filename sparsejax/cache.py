@@ -184,8 +184,9 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     mesh with more model ranks than KV heads needs; a mesh sets it).
 
     Before allocating, refuses (ValueError naming the largest batch that fits) a cache that,
-    with the temporaries of a decode step over it (XLA's memory analysis of the compiled,
-    donated step), does not fit in the devices' free memory (`check_memory`).
+    with the temporaries of filling it and stepping over it (XLA's memory analysis of the
+    compiled prefill and donated decode step), does not fit in the devices' free memory
+    (`check_memory`).
     """
     config, dtype = config_and_dtype(config_or_model, dtype)
     stored = resolve_kv_dtype(kv_dtype, dtype)
@@ -300,7 +301,7 @@ def check_fits(config: ModelConfig, batch: int, capacity: int, *, page_size: int
     largest = largest_fitting(need_at, free, batch * free // max(total, 1))
     raise ValueError(
         f"a KV cache of batch={batch} rows x {capacity} tokens needs {need / 2**30:.2f} GiB and "
-        f"a decode step over it {(total - need) / 2**30:.2f} GiB more; the devices have "
+        f"its prefill and decode step {(total - need) / 2**30:.2f} GiB more; the devices have "
         f"{free / 2**30:.2f} GiB free: at most batch={largest} rows of {capacity} tokens fit "
         "(lower the batch, the prompt length or max_new_tokens"
         + (")" if jax.default_backend() == "cpu" else
