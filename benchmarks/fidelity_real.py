@@ -405,8 +405,8 @@ def plot(doc: dict, path: Path) -> None:
             ax.set_title(f"{context} tokens, budget {ratio:.0%}: {titles[i]}", fontsize=9)
     names = ", ".join(sorted({r["task"] for r in results}))
     device = doc.get("device_kind") or doc.get("device")
-    fig.suptitle(f"{doc.get('model', '')} on real prose ({device}, "
-                 f"{doc.get('samples_per_task')} prompts a task; tasks: {names})", fontsize=10)
+    fig.suptitle(f"{doc.get('model', '')} on real prose ({device}, "   # two lines: one column
+                 f"{doc.get('samples_per_task')} prompts a task)\ntasks: {names}", fontsize=10)
     save(fig, path)
 
 
