@@ -361,14 +361,20 @@ def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
     layer = jnp.arange(L)[:, None, None]
     keys, values = (replicate_kv_heads(x, cache.k.shape[2], axis=3) for x in (keys, values))
     at = (layer, page[None], slice(None), slot[None])
-    if cache.k_scale is None:
-        return cache.replace(k=cache.k.at[at].set(keys.astype(cache.k.dtype)),
-                             v=cache.v.at[at].set(values.astype(cache.v.dtype)),
-                             lengths=lengths.astype(jnp.int32))
-    (k8, ks), (v8, vs) = quantize_kv(keys), quantize_kv(values)
-    return cache.replace(k=cache.k.at[at].set(k8), v=cache.v.at[at].set(v8),
-                         k_scale=cache.k_scale.at[at].set(ks),
-                         v_scale=cache.v_scale.at[at].set(vs), lengths=lengths.astype(jnp.int32))
+    stored = _set_kv(KVPages(cache.k, cache.v, cache.k_scale, cache.v_scale), at, keys, values)
+    return cache.replace(k=stored.k, v=stored.v, k_scale=stored.k_scale, v_scale=stored.v_scale,
+                         lengths=lengths.astype(jnp.int32))
+
+
+def _set_kv(kv: KVPages, at, k: jax.Array, v: jax.Array, mode: str | None = None) -> KVPages:
+    """k, v written at index `at` of the cache arrays: cast, or quantized with their scales
+    written at the same index for an fp8 cache."""
+    if kv.k_scale is None:
+        return KVPages(kv.k.at[at].set(k.astype(kv.k.dtype), mode=mode),
+                       kv.v.at[at].set(v.astype(kv.v.dtype), mode=mode))
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    return KVPages(kv.k.at[at].set(k8, mode=mode), kv.v.at[at].set(v8, mode=mode),
+                   kv.k_scale.at[at].set(ks, mode=mode), kv.v_scale.at[at].set(vs, mode=mode))
 
 
 def write_token(kv: KVPages, pages: jax.Array, slots: jax.Array, k: jax.Array,
@@ -382,10 +388,4 @@ def write_token(kv: KVPages, pages: jax.Array, slots: jax.Array, k: jax.Array,
     tests/test_memory.py).
     """
     k, v = (replicate_kv_heads(x, kv.k.shape[1], axis=-2) for x in (k, v))
-    at = (pages, slice(None), slots)
-    if kv.k_scale is None:
-        return KVPages(kv.k.at[at].set(k.astype(kv.k.dtype), mode="drop"),
-                       kv.v.at[at].set(v.astype(kv.v.dtype), mode="drop"))
-    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
-    return KVPages(kv.k.at[at].set(k8, mode="drop"), kv.v.at[at].set(v8, mode="drop"),
-                   kv.k_scale.at[at].set(ks, mode="drop"), kv.v_scale.at[at].set(vs, mode="drop"))
+    return _set_kv(kv, (pages, slice(None), slots), k, v, mode="drop")
