@@ -431,20 +431,22 @@ def cli_eval_task_empty(s):
     return judge_refusal(rc, err, expect=("--task",))
 
 
-@batch_case
-def cli_calibrate_too_many_anchors(s):
+def _kascade_calibrate_refuses(s, flag: str, value: str, out_name: str):
+    """A tiny Kascade calibration with one bad `flag`: refused, naming it."""
     rc, out, err = _capture_cli(["calibrate", "--method", "kascade", "--task", "niah",
                                  "--context", "64", "--samples", "1", "--decode-steps", "1",
-                                 "--anchors", "99", "--out", s.root / "c1.json"])
-    return judge_refusal(rc, err, expect=("--anchors",))
+                                 flag, value, "--out", s.root / out_name])
+    return judge_refusal(rc, err, expect=(flag,))
+
+
+@batch_case
+def cli_calibrate_too_many_anchors(s):
+    return _kascade_calibrate_refuses(s, "--anchors", "99", "c1.json")
 
 
 @batch_case
 def cli_calibrate_k_too_large(s):
-    rc, out, err = _capture_cli(["calibrate", "--method", "kascade", "--task", "niah",
-                                 "--context", "64", "--samples", "1", "--decode-steps", "1",
-                                 "--k", "100000", "--out", s.root / "c2.json"])
-    return judge_refusal(rc, err, expect=("--k",))
+    return _kascade_calibrate_refuses(s, "--k", "100000", "c2.json")
 
 
 @batch_case
