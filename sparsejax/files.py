@@ -200,6 +200,8 @@ class handle_signals:
         os.set_blocking(write_fd, False)
         self.write_fd = write_fd
         self.previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self.previous_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         self.watcher = threading.Thread(target=self._watch, daemon=True,
                                         name="sparsejax-signals")
         self.watcher.start()
@@ -210,6 +212,7 @@ class handle_signals:
             return False
         _state["handled"].set()
         signal.set_wakeup_fd(self.previous_wakeup)
+        sys.unraisablehook = self.previous_unraisable
         for s, handler in self.previous.items():
             signal.signal(s, handler)
         os.write(self.write_fd, b"\0")      # wakes the watcher, which then ends
@@ -217,6 +220,11 @@ class handle_signals:
         for fd in (self.read_fd, self.write_fd):
             os.close(fd)
         return False
+
+    def _unraisable(self, info):
+        # An Interrupted lost in a gc callback is raised again by the watcher: no traceback.
+        if not isinstance(info.exc_value, Interrupted):
+            self.previous_unraisable(info)
 
     @staticmethod
     def _on_signal(signum, frame):

@@ -718,6 +718,30 @@ def test_an_interrupted_run_replaces_no_output(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # restored
 
 
+def test_an_interrupt_lost_in_a_gc_callback_prints_no_traceback(capsys, monkeypatch):
+    """The signal's exception raised inside a gc callback (JAX has one) is ignored by Python,
+    which prints its traceback; the watcher raises it again, so only other exceptions print."""
+    import gc
+
+    from sparsejax import files
+
+    def callback(phase, info):
+        if phase == "start":
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)   # Python's, not pytest's
+    with files.handle_signals():
+        gc.callbacks.append(callback)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(callback)
+        assert files.interrupted()
+        files.mark_handled()
+    assert "Traceback" not in capsys.readouterr().err
+    assert sys.unraisablehook is sys.__unraisablehook__        # restored
+
+
 def test_write_errors_name_the_path(tmp_path, monkeypatch):
     import errno
 
