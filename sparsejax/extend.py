@@ -72,7 +72,7 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
     def layer_step(carry, layer, lp, sel):
         """One layer (index `layer`: an int, or traced when rolled) -> (carry, its sums, the
         selection its tiles chose (Kascade's sparse prefill) or None)."""
-        h, cached, state = carry
+        h, cached = carry
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
@@ -90,17 +90,14 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
             out, selected = attend(q.astype(kv.query_dtype(cached.k.dtype, q.dtype)), cached,
                                    mapped, table, start, num_tokens)
         h = finish_layer(c, lp, h, out.astype(h.dtype))
-        if state is not None and state.kmin is not None:
-            state = method_state.refresh_page_bounds(state, layer, cached, offset,
-                                                  cache.page_table, start, filled, C)
         layer_sums = None
         if sums:   # RESA's mean key: of the keys as cached
             layer_sums = (jnp.einsum("bcnd,bc->bnd", q.astype(jnp.float32), weight),
                           jnp.einsum("bcnd,bc->bnd",
                                      kv.as_stored(k, cached.k.dtype).astype(jnp.float32), weight))
-        return (h, cached, state), layer_sums, selected
+        return (h, cached), layer_sums, selected
 
-    carry = (h, cached, cache.state)
+    carry = (h, cached)
     if rolled and tile is None:
         def body(carry, layer):
             carry, layer_sums, _ = layer_step(carry, layer,
@@ -117,8 +114,12 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
             sel = sel if selected is None else selected
             per_layer.append(layer_sums)
         stacked_sums = jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer) if sums else None
-    h, cached, state = carry
-    return h, kv.with_pages(cache, cached).replace(state=state), stacked_sums
+    h, cached = carry
+    cache = kv.with_pages(cache, cached)
+    state = cache.state
+    if state is not None and state.kmin is not None:   # after every write: see the function
+        state = method_state.refresh_page_bounds(state, cache, start, filled, C)
+    return h, cache.replace(state=state), stacked_sums
 
 
 def _layer_weights(params, layer: jax.Array):

@@ -56,15 +56,25 @@ def empty_page_bounds(cache: PagedKVCache) -> MethodState:
                        kmax=jnp.full(shape, -jnp.inf, jnp.float32))
 
 
-def refresh_page_bounds(state: MethodState, layer: int, pages: KVPages, offset: int,
-                        page_table: jax.Array, start: jax.Array, filled: jax.Array,
-                        num_tokens: int) -> MethodState:
-    """Recompute layer `layer`'s key bounds of the pages that positions start [B] ..
+def refresh_page_bounds(state: MethodState, cache: PagedKVCache, start: jax.Array,
+                        filled: jax.Array, num_tokens: int) -> MethodState:
+    """Recompute every layer's key bounds of the pages that positions start [B] ..
     start + num_tokens - 1 touch, from the cache's keys at positions < filled [B]: exact
     after K/V are overwritten (a running min/max could not forget the old keys), and a page
-    with no position below `filled` is empty again (+inf / -inf: rejected draft tokens).
-    pages: the flattened cache (`cache.flat_pages`), its keys dequantized when fp8; `offset` =
-    layer * num_pages."""
+    with no position below `filled` is empty again (+inf / -inf: rejected draft tokens). Keys
+    are read dequantized when fp8. Called once every layer's K/V are written: a read of the
+    cache between two layers' writes made XLA copy the whole donated K cache."""
+    pages = flat_pages(cache)
+    return jax.lax.fori_loop(0, cache.k.shape[0], lambda layer, b: _refresh_layer_bounds(
+        b, layer, pages, layer_page_ids(0, layer, cache.num_pages), cache.page_table, start,
+        filled, num_tokens), state)
+
+
+def _refresh_layer_bounds(state: MethodState, layer, pages: KVPages, offset,
+                          page_table: jax.Array, start: jax.Array, filled: jax.Array,
+                          num_tokens: int) -> MethodState:
+    """`refresh_page_bounds` of layer `layer`; pages: the flattened cache, `offset` = layer *
+    num_pages."""
     P, max_pages = pages.k.shape[2], page_table.shape[1]
     logical = start[:, None] // P + jnp.arange((num_tokens - 1) // P + 2)[None, :]  # [B, n]
     touched = logical < max_pages
@@ -92,10 +102,7 @@ def settle_state(plan: SparsePlan, cache: PagedKVCache, prior_before, start: jax
     filled = start + kept
     num_layers = cache.k.shape[0]
     if state.kmin is not None:
-        pages = flat_pages(cache)
-        state = jax.lax.fori_loop(0, num_layers, lambda layer, b: refresh_page_bounds(
-            b, layer, pages, layer_page_ids(0, layer, cache.num_pages), cache.page_table,
-            start, filled, num_tokens), state)
+        state = refresh_page_bounds(state, cache, start, filled, num_tokens)
     if state.prior is not None and plan.residual.fold_decode_tokens:
         offsets = jnp.arange(num_tokens, dtype=jnp.int32)
         positions = jnp.minimum(start[:, None] + offsets, cache.capacity - 1)     # [B, C]

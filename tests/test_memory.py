@@ -6,6 +6,7 @@ cache donated, a step's temporaries stay well under one cache; a program that ke
 cache alive beside the new one (the negative controls) holds a second copy in temporaries.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,44 @@ def test_prefill_chunk_updates_the_donated_cache_in_place(deep):
     chunk = jax.jit(lambda m, c, t: ext.extend(m, c, t, num), donate_argnums=1)
     compiled = chunk.lower(deep, cache, jnp.zeros((4, 8), jnp.int32)).compile()
     assert temp_bytes(compiled) < size / 2
+
+
+def cache_copies(compiled, cache) -> int:
+    """Copy instructions of a K or V cache array in the optimized HLO (a cache-sized copy:
+    the program keeps the old cache alive beside the one it writes)."""
+    shapes = {",".join(map(str, x.shape)) for x in (cache.k, cache.v)}
+    return sum(bool(re.search(r"\[(" + "|".join(shapes) + r")\]\{[0-9,]*\} copy\(", line))
+               for line in compiled.as_text().splitlines())
+
+
+QUEST = methods.Quest(token_budget=64, page_size=16)
+
+
+@pytest.mark.parametrize("method", [QUEST, methods.RESA(methods.DELTA().scaled_to(8),
+                                                    fold_decode_tokens=True)])
+def test_chunk_correction_and_verify_write_the_donated_cache_in_place(deep, method):
+    """A prefill chunk, cache correction (the last N tokens re-run densely; Quest's bounds and
+    RESA's folded prior refreshed) and the speculative verify write into the donated cache
+    without copying it. (Their temporaries on CPU are the reference attention's gathers, so
+    this counts copies in the compiled program.)"""
+    from sparsejax.extend import correct
+    from sparsejax.speculative import verify
+
+    plan = as_plan(method, DEEP, None)
+    cache = cache_shapes(deep, plan, 4, 1024)
+    tokens = jnp.zeros((4, 4), jnp.int32)
+    start = jnp.zeros((4,), jnp.int32)
+    programs = {"chunk": lambda m, c, t: ext.extend(m, c, t, jnp.full((4,), 4, jnp.int32)),
+                "correct": functools.partial(correct, plan=plan),
+                "verify": lambda m, c, t: verify(m, c, t, start, start)}
+    for name, fn in programs.items():
+        compiled = jax.jit(fn, donate_argnums=1).lower(deep, cache, tokens).compile()
+        assert cache_copies(compiled, cache) == 0, name
+        assert compiled.memory_analysis().alias_size_in_bytes >= kv.cache_bytes(cache), name
+    # negative control: the old cache read after the write stays alive beside the new one
+    keep = jax.jit(lambda m, c, t: (programs["correct"](m, c, t), c.k[0, 0, 0, 0, 0]),
+                   donate_argnums=1)
+    assert cache_copies(keep.lower(deep, cache, tokens).compile(), cache) >= 1
 
 
 @pytest.mark.parametrize("layers", ["unrolled", "rolled"])
