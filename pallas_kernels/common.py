@@ -6,8 +6,8 @@ fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head,
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
 and reads a K or V tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
 their scales, unapplied. `fold_scales` applies each row's scale past the dot, to the [.., n]
-logits q.k or to the probabilities that weight the V rows, not to the [n, D] tile: a
-multiply per logit instead of one per element. `dequantize` is the formula itself; the
+logits q.k or to the probabilities that weight the V rows (`weigh_values`), not to the
+[n, D] tile: a multiply per logit instead of one per element. `dequantize` is the formula itself; the
 references apply it to the pages they gather (`gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
@@ -290,6 +290,21 @@ def fold_scales(x, scale, axis: int):
     times each row's scale [n] -> f32. q.(k * s) = (q.k) * s and p.(v * s) = (p * s).v, so
     the scale costs a multiply per logit, not one per element of the [n, D] tile."""
     return x * (scale[None, :] if axis == 1 else scale[:, None])
+
+
+def weigh_values(p, v, v_scale, dot):
+    """An online softmax's probabilities p [rows, n] f32 times a V tile v [n, D] -> [rows, D]
+    f32, `dot(a, b)` taking a in v's dtype (q's). v_scale None: v as it is. An fp8 tile
+    (`load_fp8`) with its rows' scales [n]: (p * scale) . v (`fold_scales`). In float16 the
+    weights take the scales relative to the block's largest and the dot is times it: scales
+    below float16's normal range (V rows of absmax under ~0.03) would leave p * scale
+    subnormal, its digits lost; bfloat16 and float32 have float32's range."""
+    if v_scale is None:
+        return dot(p.astype(v.dtype), v)
+    if v.dtype != jnp.float16:
+        return dot(fold_scales(p, v_scale, axis=1).astype(v.dtype), v)
+    peak = jnp.maximum(jnp.max(v_scale), jnp.finfo(jnp.float32).tiny)
+    return dot(fold_scales(p, v_scale / peak, axis=1).astype(v.dtype), v) * peak
 
 
 def cache_row(page, head, pos, *, kv_heads: int, page_size: int):

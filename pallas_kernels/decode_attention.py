@@ -213,6 +213,7 @@ def _decode_kernel(
         tok, valid = block_tokens(j)
         slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
+        k_scale = v_scale = None
         if quantized:  # fp8 rows as q's dtype for the dots; their scales fold in after
             load = functools.partial(common.load_fp8, rows=slot, cols=cols[None, :],
                                      row_mask=valid, dtype=q.dtype)
@@ -225,7 +226,7 @@ def _decode_kernel(
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
-        if quantized:
+        if k_scale is not None:
             s = common.fold_scales(s, k_scale, axis=1)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so m_new is finite.
@@ -249,9 +250,8 @@ def _decode_kernel(
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         if values:
-            weights = common.fold_scales(p, v_scale, axis=1) if quantized else p
-            acc = acc * alpha[:, None] + dot(weights.astype(v.dtype), v,
-                                             (((1,), (0,)), ((), ())))
+            acc = acc * alpha[:, None] + common.weigh_values(
+                p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
         return acc, m_new, l, next_page_ids
 
     acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32)

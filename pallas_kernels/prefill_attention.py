@@ -165,8 +165,8 @@ def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot, k_scale=None, v_scale
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l = alpha * l + jnp.sum(p, axis=1)
-    weights = p if v_scale is None else common.fold_scales(p, v_scale, axis=1)
-    acc = acc * alpha[:, None] + dot(weights.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+    acc = acc * alpha[:, None] + common.weigh_values(
+        p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
     return acc, m_new, l
 
 

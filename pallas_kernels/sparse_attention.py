@@ -265,9 +265,8 @@ def _online_softmax(queries: _QueryRows, s, v, v_scale, pos, acc, m, l):
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    weights = p if v_scale is None else common.fold_scales(p, v_scale, axis=1)
-    acc = acc * alpha[:, None] + plgpu.dot(weights.astype(v.dtype), v,
-                                           precision=lax.Precision.HIGHEST)
+    acc = acc * alpha[:, None] + common.weigh_values(
+        p, v, v_scale, functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST))
     return acc, m_new, l
 
 

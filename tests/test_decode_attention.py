@@ -670,6 +670,17 @@ def test_fp8_matches_reference(cfg, score, dtype, opts, interpret):
     assert_fp8_matches(args, score=score, dtype=dtype, interpret=interpret, **opts)
 
 
+@pytest.mark.parametrize("v_size", [1e-3, 1e3])
+def test_fp8_float16_values_far_from_one(v_size, interpret):
+    """float16 q with V rows of absmax ~1e-2 (scales below float16's normal range, where the
+    probabilities times a scale would lose their digits) and ~1e4 (far above): the values
+    still match at float16's tolerance."""
+    cfg, score, dtype, opts = FP8_CORNERS[3]
+    q, k, v, page_table, lengths = make_case(17, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    assert_fp8_matches((q, k, (v * v_size).astype(dtype), page_table, lengths), score=score,
+                       dtype=dtype, interpret=interpret, **opts)
+
+
 def test_fp8_negative_control_wrong_scale_axis(interpret):
     """Scales read along the wrong axis (each page's slots reversed) fail the check above."""
     cfg, score, dtype, opts = FP8_CORNERS[2]
