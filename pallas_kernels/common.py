@@ -7,8 +7,8 @@ scales shaped as the pages without head_dim. Every kernel takes them as `k_scale
 and reads a K or V tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
 their scales, unapplied. `fold_scales` applies each row's scale past the dot, to the [.., n]
 logits q.k or to the probabilities that weight the V rows (`weigh_values`), not to the
-[n, D] tile: a multiply per logit instead of one per element. `dequantize` is the formula itself; the
-references apply it to the pages they gather (`gather_pages`).
+[n, D] tile: a multiply per logit instead of one per element. `dequantize` is the formula
+itself; the references apply it to the pages they gather (`gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
