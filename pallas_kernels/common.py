@@ -4,9 +4,11 @@ each query head reads, the dequantization of an fp8 cache.
 
 fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head, slot), the
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
-and reads a K or V tile through `load_dequantized`: the fp8 rows and their scales, multiplied
-in registers in f32 (`dequantize`, the one formula; the references apply it to the pages
-they gather, `gather_pages`).
+and reads a K or V tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
+their scales, unapplied. `fold_scales` applies each row's scale past the dot, to the [.., n]
+logits q.k or to the probabilities that weight the V rows (`weigh_values`), not to the
+[n, D] tile: a multiply per logit instead of one per element. `dequantize` is the formula
+itself; the references apply it to the pages they gather (`gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
@@ -243,8 +245,8 @@ def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> bool:
 
 def dequantize(x, scale, dtype=jnp.float32):
     """fp8 values x [..., D] and their scales [...] -> x * scale, f32 math, as `dtype`. The one
-    formula of the fp8 cache: kernels apply it to a tile in registers, references to the
-    pages they gather."""
+    formula of the fp8 cache: the references apply it to the pages they gather, the kernels
+    past their dots (`fold_scales`)."""
     return (x.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
@@ -263,11 +265,13 @@ def scale_rows(scale):
     return None if scale is None else scale.reshape(-1)
 
 
-def load_dequantized(ref, scale_ref, rows, cols, row_mask, dtype):
+def load_fp8(ref, scale_ref, rows, cols, row_mask, dtype):
     """Inside a kernel: rows `rows` [n] x columns `cols` [1, D] of an fp8 cache `ref` viewed
-    as [num_pages * HK * P, D] and their scales from `scale_ref` [num_pages * HK * P],
-    dequantized in registers -> [n, D] in `dtype` (what the dots take: q's dtype). row_mask
-    [n] (None: every row) reads nothing where False; those rows are 0."""
+    as [num_pages * HK * P, D] and their scales from `scale_ref` [num_pages * HK * P] ->
+    (x [n, D] in `dtype`, scale [n] f32). x is the stored values, unscaled: e4m3 converts
+    exactly to bf16, f16 and f32, so the dots (in q's dtype, `dtype`) take them unrounded;
+    `fold_scales` applies the scales after. row_mask [n] (None: every row) reads nothing
+    where False; those rows are 0 with scale 0."""
     at = ref.at[rows[:, None], cols]
     if row_mask is None:
         x, scale = plgpu.load(at), plgpu.load(scale_ref.at[rows])
@@ -277,7 +281,30 @@ def load_dequantized(ref, scale_ref, rows, cols, row_mask, dtype):
                                                                      cols.shape[-1])),
                        other=0.0)
         scale = plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0)
-    return dequantize(x, scale, dtype)
+    return x.astype(dtype), scale
+
+
+def fold_scales(x, scale, axis: int):
+    """`dequantize` moved past a dot: x [a, b], f32, made from fp8 rows (`load_fp8`) along
+    `axis` -- the logits q.k of the K rows, or the probabilities p that weight the V rows --
+    times each row's scale [n] -> f32. q.(k * s) = (q.k) * s and p.(v * s) = (p * s).v, so
+    the scale costs a multiply per logit, not one per element of the [n, D] tile."""
+    return x * (scale[None, :] if axis == 1 else scale[:, None])
+
+
+def weigh_values(p, v, v_scale, dot):
+    """An online softmax's probabilities p [rows, n] f32 times a V tile v [n, D] -> [rows, D]
+    f32, `dot(a, b)` taking a in v's dtype (q's). v_scale None: v as it is. An fp8 tile
+    (`load_fp8`) with its rows' scales [n]: (p * scale) . v (`fold_scales`). In float16 the
+    weights take the scales relative to the block's largest and the dot is times it: scales
+    below float16's normal range (V rows of absmax under ~0.03) would leave p * scale
+    subnormal, its digits lost; bfloat16 and float32 have float32's range."""
+    if v_scale is None:
+        return dot(p.astype(v.dtype), v)
+    if v.dtype != jnp.float16:
+        return dot(fold_scales(p, v_scale, axis=1).astype(v.dtype), v)
+    peak = jnp.maximum(jnp.max(v_scale), jnp.finfo(jnp.float32).tiny)
+    return dot(fold_scales(p, v_scale / peak, axis=1).astype(v.dtype), v) * peak
 
 
 def cache_row(page, head, pos, *, kv_heads: int, page_size: int):

@@ -213,18 +213,21 @@ def _decode_kernel(
         tok, valid = block_tokens(j)
         slot = common.cache_row(page_ids, h, tok, kv_heads=kv_heads, page_size=page_size)
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
-        if quantized:  # fp8 rows times their scales, in registers, as q's dtype for the dots
-            load = functools.partial(common.load_dequantized, rows=slot, cols=cols[None, :],
+        k_scale = v_scale = None
+        if quantized:  # fp8 rows as q's dtype for the dots; their scales fold in after
+            load = functools.partial(common.load_fp8, rows=slot, cols=cols[None, :],
                                      row_mask=valid, dtype=q.dtype)
-            k = load(k_ref, k_scale_ref)
+            k, k_scale = load(k_ref, k_scale_ref)
             if values:
-                v = load(v_ref, v_scale_ref)
+                v, v_scale = load(v_ref, v_scale_ref)
         else:
             kv_index = (slot[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
+        if k_scale is not None:
+            s = common.fold_scales(s, k_scale, axis=1)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so m_new is finite.
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -247,7 +250,8 @@ def _decode_kernel(
         p = jnp.exp(s - m_new[:, None])
         l = alpha * l + jnp.sum(p, axis=1)
         if values:
-            acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+            acc = acc * alpha[:, None] + common.weigh_values(
+                p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
         return acc, m_new, l, next_page_ids
 
     acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32)
@@ -500,10 +504,11 @@ def paged_decode_attention(
       >= length and skipped KV heads hold garbage there, not -inf: the consumer masks them
       (`topk_select` by its `valid`).
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
-      (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel dequantizes each K/V tile
-      in registers (f32 math, then q's dtype for the dots, as a 16-bit cache's tiles) and is
-      otherwise the same; the reference dequantizes the pages it gathers (f32). None: k/v_pages
-      in q's dtype.
+      (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel's dots take the fp8 tiles
+      converted to q's dtype (exact) and each token's scale multiplies its logits (K) and the
+      probabilities that weight its values (V), in f32 (`common.fold_scales`); otherwise the
+      same. The reference dequantizes the pages it gathers (f32). None: k/v_pages in q's
+      dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
       takes the max over the computed heads). None computes every head. A concrete mask

@@ -129,15 +129,17 @@ def _page_ids(page_table_ref, b, pos, valid, page_size):
 def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size, scale_ref=None,
                 dtype=None):
     """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at positions `pos` (on
-    `pages`) of KV head h. Masked gathers read nothing where not `valid`; valid=None reads
-    every row without a mask. With `scale_ref` (an fp8 cache's scales) the rows are
-    dequantized in registers to `dtype`, q's."""
+    `pages`) of KV head h, and their scales: as stored and None, or with `scale_ref` (an fp8
+    cache's scales) the fp8 rows in `dtype`, q's, and [len(pos)] f32 scales that
+    `common.fold_scales` applies past the dots. Masked gathers read nothing where not
+    `valid`; valid=None reads every row without a mask."""
     slot = common.cache_row(pages, h, pos, kv_heads=kv_heads, page_size=page_size)
     if scale_ref is not None:
-        return common.load_dequantized(ref, scale_ref, slot, jnp.arange(ref.shape[-1])[None, :],
-                                       valid, dtype)
+        return common.load_fp8(ref, scale_ref, slot, jnp.arange(ref.shape[-1])[None, :],
+                               valid, dtype)
     at = ref.at[slot[:, None], jnp.arange(ref.shape[-1])[None, :]]
-    return plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0)
+    return (plgpu.load(at) if valid is None else plgpu.load(at, mask=valid[:, None], other=0),
+            None)
 
 
 def _looked_up(lookup, j, ahead, lookahead: int):
@@ -146,10 +148,13 @@ def _looked_up(lookup, j, ahead, lookahead: int):
     return (ahead, lookup(j + 1)) if lookahead else (lookup(j), ())
 
 
-def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot):
+def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot, k_scale=None, v_scale=None):
     """One key block of the base-2 online softmax: scores q.k (masked to -inf where not
-    `keep`, a mask broadcastable to [rows, block_n]; None: every key) -> (acc, m, l)."""
+    `keep`, a mask broadcastable to [rows, block_n]; None: every key) -> (acc, m, l). An
+    fp8 cache's K and V rows come with their scales [block_n] (`common.fold_scales`)."""
     s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
+    if k_scale is not None:
+        s = common.fold_scales(s, k_scale, axis=1)
     if keep is None:
         m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
     else:
@@ -160,7 +165,8 @@ def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot):
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l = alpha * l + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, (((1,), (0,)), ((), ())))
+    acc = acc * alpha[:, None] + common.weigh_values(
+        p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
     return acc, m_new, l
 
 
@@ -238,15 +244,17 @@ def _prefill_kernel(
         slot = j * block_n + jnp.arange(block_n)
         at = plgpu.load(cache_rows_ref.at[b, t, h, slot], mask=slot < count, other=-1)
         valid = at >= 0
+        k_scale = v_scale = None
         if quantized:
-            load = functools.partial(common.load_dequantized, rows=at, cols=cols[None, :],
+            load = functools.partial(common.load_fp8, rows=at, cols=cols[None, :],
                                      row_mask=valid, dtype=q.dtype)
-            k, v = load(k_ref, k_scale_ref), load(v_ref, v_scale_ref)
+            (k, k_scale), (v, v_scale) = load(k_ref, k_scale_ref), load(v_ref, v_scale_ref)
         else:
             kv_at = (at[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_at], mask=valid[:, None], other=0)
             v = plgpu.load(v_ref.at[kv_at], mask=valid[:, None], other=0)
-        return _softmax_step(q, k, v, valid[None, :], acc, m, l, scale=scale, dot=dot)
+        return _softmax_step(q, k, v, valid[None, :], acc, m, l, scale=scale, dot=dot,
+                             k_scale=k_scale, v_scale=v_scale)
 
     def attend(j, carry, masked: bool):
         acc, m, l, ahead = carry
@@ -255,12 +263,13 @@ def _prefill_kernel(
         rows_at = functools.partial(_cache_rows, pages=pages, h=h, pos=pos,
                                     valid=valid if masked else None, kv_heads=kv_heads,
                                     page_size=page_size, dtype=q.dtype)
-        k = rows_at(k_ref, scale_ref=k_scale_ref)  # [block_n, D]
-        v = rows_at(v_ref, scale_ref=v_scale_ref)
+        k, k_scale = rows_at(k_ref, scale_ref=k_scale_ref)  # [block_n, D], [block_n] or None
+        v, v_scale = rows_at(v_ref, scale_ref=v_scale_ref)
         keep = None
         if masked:
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-        return (*_softmax_step(q, k, v, keep, acc, m, l, scale=scale, dot=dot), ahead)
+        return (*_softmax_step(q, k, v, keep, acc, m, l, scale=scale, dot=dot,
+                               k_scale=k_scale, v_scale=v_scale), ahead)
 
     scale = st.sm_scale * common.LOG2E
     acc = jnp.zeros((rows, head_dim), jnp.float32)
@@ -367,12 +376,15 @@ def _tile_scores_kernel(
 
     def body(j, ahead, masked: bool):
         (pos, valid, pages), ahead = _looked_up(lookup, j, ahead, st.lookahead)
-        k = _cache_rows(k_ref, pages, h, pos, valid if masked else None, kv_heads=kv_heads,
-                        page_size=page_size, scale_ref=k_scale_ref, dtype=q.dtype)
+        k, k_scale = _cache_rows(k_ref, pages, h, pos, valid if masked else None,
+                                 kv_heads=kv_heads, page_size=page_size, scale_ref=k_scale_ref,
+                                 dtype=q.dtype)
         # Keys as the dot's rows: the sum over queries is then along the accumulator's rows
         # (within a warp), not across the warps that split the query rows.
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=st.precision) * (st.sm_scale * common.LOG2E)
+        if k_scale is not None:
+            s = common.fold_scales(s, k_scale, axis=0)
         p = jnp.exp2(s - lse[None, :])  # [block_n, rows]
         if masked:  # a whole block (the output is padded to whole blocks): past lo adds 0
             p = jnp.where(valid[:, None], p, 0.0)
@@ -535,9 +547,11 @@ def paged_prefill_attention(
     need not be sorted but must be unique.
 
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
-      (page, KV head, slot), shaped k_pages.shape[:-1]. The Pallas kernel dequantizes each
-      K/V tile in registers (f32 math, then q's dtype for the dots); cuDNN gets the gathered
-      rows dequantized to q's dtype; the reference dequantizes the pages it gathers (f32).
+      (page, KV head, slot), shaped k_pages.shape[:-1]. The Pallas kernel's dots take the
+      fp8 tiles in q's dtype (exact) and each token's scale multiplies its logits and the
+      probabilities that weight its values, in f32 (`common.fold_scales`); cuDNN gets the
+      gathered rows dequantized to q's dtype; the reference dequantizes the pages it
+      gathers (f32).
     backend: "auto" (on a GPU cuDNN for dense bf16/f16 chunks of at least CUDNN_MIN_CHUNK
       queries, else Pallas; the reference elsewhere) | "pallas" | "cudnn" (dense bf16/f16 on
       a GPU) | "reference". The Pallas kernel takes what `common.pallas_support` allows

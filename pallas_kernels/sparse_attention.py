@@ -224,12 +224,13 @@ def _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, span, *, r
 
 
 def _gather(rows_ref, scale_ref, row, pos, cols, dtype):
-    """One step's K or V tile ([block_n, D]; zero where nothing is attended): as stored, or
-    with `scale_ref` (an fp8 cache) dequantized in registers to `dtype`, q's."""
+    """One step's K or V tile ([block_n, D]; zero where nothing is attended) and its rows'
+    scales: as stored and None, or with `scale_ref` (an fp8 cache) the fp8 tile in `dtype`,
+    q's, and [block_n] f32 scales that `common.fold_scales` applies past the dots."""
     if scale_ref is not None:
-        return common.load_dequantized(rows_ref, scale_ref, row, cols, pos >= 0, dtype)
+        return common.load_fp8(rows_ref, scale_ref, row, cols, pos >= 0, dtype)
     tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (pos.shape[0], cols.shape[1]))
-    return plgpu.load(rows_ref.at[row[:, None], cols], mask=tile_mask, other=0)
+    return plgpu.load(rows_ref.at[row[:, None], cols], mask=tile_mask, other=0), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,9 +252,10 @@ class _GivenLogits:
         return (rel.astype(jnp.float32) + peak) * common.LOG2E
 
 
-def _online_softmax(queries: _QueryRows, s, v, pos, acc, m, l):
-    """Fold one step's base-2 logits s [block_h, block_n] and V tile into the running
-    (acc [block_h, D], max m, sum l)."""
+def _online_softmax(queries: _QueryRows, s, v, v_scale, pos, acc, m, l):
+    """Fold one step's base-2 logits s [block_h, block_n] and V tile (with an fp8 cache its
+    rows' scales v_scale [block_n], else None) into the running (acc [block_h, D], max m,
+    sum l)."""
     keep = (pos >= 0)[None, :]
     if queries.row_limit is not None:
         keep = keep & (pos[None, :] < queries.row_limit[:, None])
@@ -263,7 +265,8 @@ def _online_softmax(queries: _QueryRows, s, v, pos, acc, m, l):
     alpha = jnp.exp2(m - m_shift)
     p = jnp.exp2(s - m_shift[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=lax.Precision.HIGHEST)
+    acc = acc * alpha[:, None] + common.weigh_values(
+        p, v, v_scale, functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST))
     return acc, m_new, l
 
 
@@ -281,10 +284,10 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
             row, pos = ahead[:2]
         dtype = queries.qs.dtype
         if given is None:
-            k = _gather(k_rows_ref, k_scale_ref, row, pos, queries.cols, dtype)
+            k, k_scale = _gather(k_rows_ref, k_scale_ref, row, pos, queries.cols, dtype)
         else:
             s = given.load(stream.b, queries, pos)
-        v = _gather(v_rows_ref, v_scale_ref, row, pos, queries.cols, dtype)
+        v, v_scale = _gather(v_rows_ref, v_scale_ref, row, pos, queries.cols, dtype)
         if lookahead == 1:
             ahead = list(stream.coords(i + 1, stream.entries(i + 1)))
         elif lookahead == 2:
@@ -292,7 +295,9 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
         if given is None:
             # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
             s = plgpu.dot(queries.qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-        return (*_online_softmax(queries, s, v, pos, acc, m, l), *ahead)
+            if k_scale is not None:
+                s = common.fold_scales(s, k_scale, axis=1)
+        return (*_online_softmax(queries, s, v, v_scale, pos, acc, m, l), *ahead)
 
     block_h, head_dim = queries.qs.shape
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
@@ -636,9 +641,11 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
                                              then reads no K and sm_scale is unused); not
                                              with prior_query or dense_heads
     k_scale      [num_pages, HK, P] f32 | None   an fp8 cache (k/v_pages float8_e4m3fn): one
-    v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); each gathered
-                                             K/V row is dequantized in registers (f32 math,
-                                             then q's dtype for the dots); the reference
+    v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); the dots
+                                             take the gathered fp8 rows in q's dtype (exact)
+                                             and each row's scale multiplies its logits and
+                                             the probabilities that weight its values, in
+                                             f32 (`common.fold_scales`); the reference
                                              dequantizes the pages it gathers
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =

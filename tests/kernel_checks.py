@@ -52,10 +52,11 @@ except ImportError:
 
 def fp8_cache(k_pages, v_pages, dtype):
     """The cache quantized per (page, KV head, slot) -> (dict(k_pages, v_pages, k_scale,
-    v_scale) of the fp8 cache, (k, v) that cache dequantized to `dtype`). The second is what
-    a kernel's dots take (each tile dequantized in f32, then q's dtype), so a kernel on the
-    fp8 cache matches its reference on it at the 16-bit tolerances; the reference on the fp8
-    cache dequantizes in f32 and differs by at most `dtype`'s rounding of K and V."""
+    v_scale) of the fp8 cache, (k, v) that cache dequantized to `dtype`). The kernels' dots
+    take the fp8 values exactly and fold the scales into the f32 logits and probabilities,
+    so a kernel on the fp8 cache matches the reference on it (f32 dequantization) at the
+    16-bit tolerances; the reference on the second differs by `dtype`'s rounding of K and
+    V."""
     k, k_scale = quantize_kv(k_pages)
     v, v_scale = quantize_kv(v_pages)
     from sparsejax.pallas_kernels.common import dequantize
@@ -69,8 +70,8 @@ ROUNDOFF = {jnp.dtype(jnp.bfloat16): 2.0**-8, jnp.dtype(jnp.float16): 2.0**-11,
 
 
 def fp8_lse_bound(q, k_deq, sm_scale) -> float:
-    """How far a kernel's LSE on an fp8 cache may sit from the reference's (which keeps the
-    dequantized K in f32): q's dtype rounds each K element by ROUNDOFF relative, moving a
+    """How far an LSE over an fp8 cache's K dequantized to q's dtype may sit from one over K
+    dequantized in f32: q's dtype rounds each K element by ROUNDOFF relative, moving a
     logit by at most ROUNDOFF * sm_scale * |q| |k| (Cauchy-Schwarz), an LSE by at most the
     largest such move. NaN (never-written) slots are left out."""
     roundoff = ROUNDOFF[jnp.dtype(q.dtype)]

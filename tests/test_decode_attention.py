@@ -60,11 +60,12 @@ def assert_scores_match(got, want, bound=0.0):
     assert (err <= allowed).all(), np.max(err / allowed)
 
 
-def logits_bound(args, score, kv_heads=None, logits_dtype=None):
-    """The bound the kernel's logits dtype (its default: float16 for 16-bit q) allows."""
+def logits_bound(args, score, kv_heads=None, logits_dtype=None, **scales):
+    """The bound the kernel's logits dtype (its default: float16 for 16-bit q) allows;
+    `scales`: k_scale and v_scale of an fp8 cache."""
     if logits_dtype_for(args[0].dtype, logits_dtype) == jnp.float32:
         return 0.0
-    return np.asarray(float16_logits_bound(*args, score=score, kv_heads=kv_heads))
+    return np.asarray(float16_logits_bound(*args, score=score, kv_heads=kv_heads, **scales))
 
 
 def assert_matches_reference(args, *, score, dtype, interpret, kv_heads=None, **tuning):
@@ -623,31 +624,33 @@ def test_native_gpu_moderate_size(dtype, head_dim, group):
 # ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
 def assert_fp8_matches(args, *, score, dtype, interpret, kv_heads=None, values=True,
                        **tuning):
-    """The kernel on the fp8 cache of `args` against its reference on the cache dequantized
-    to q's dtype (what the kernel's dots take) at the 16-bit tolerances, and against its
-    reference on the fp8 cache (dequantized in f32) within what q's dtype rounding of K and
-    V moves the LSE (`fp8_lse_bound`)."""
+    """The kernel on the fp8 cache of `args` against its reference on that cache (dequantized
+    in f32) at the 16-bit tolerances: the kernel's dots take the fp8 values exactly and its
+    scales multiply the f32 logits, so its logits are the reference's up to f32 rounding.
+    And against the reference on the cache dequantized to q's dtype within what that
+    rounding of K moves the LSE (`fp8_lse_bound`)."""
     q, k, v, page_table, lengths = args
     fp8, (k_deq, v_deq) = fp8_cache(k, v, dtype)
     kv_heads = None if kv_heads is None else jnp.asarray(kv_heads)
     kw = dict(score=score, kv_heads=kv_heads, values=values)
     got = paged_decode_attention(q, page_table=page_table, lengths=lengths, **fp8, **kw,
                                  backend="pallas", interpret=interpret, **tuning)
-    deq_args = (q, k_deq, v_deq, page_table, lengths)
-    tight = paged_decode_attention_reference(*deq_args, **kw)
-    want = paged_decode_attention_reference(q, page_table=page_table, lengths=lengths, **fp8,
-                                            **kw)
+    fp8_args = (q, fp8["k_pages"], fp8["v_pages"], page_table, lengths)
+    scales = dict(k_scale=fp8["k_scale"], v_scale=fp8["v_scale"])
+    tight = paged_decode_attention_reference(*fp8_args, **scales, **kw)
+    rounded = paged_decode_attention_reference(q, k_deq, v_deq, page_table, lengths, **kw)
     if values:
         assert got.out.dtype == dtype
         assert max_row_rel_error(got.out, tight.out) <= OUT_TOL[dtype]
-        assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
+        assert max_row_rel_error(got.out, rounded.out) <= OUT_TOL[dtype]
     else:
         assert got.out is None
     np.testing.assert_allclose(got.lse, tight.lse, rtol=0, atol=LSE_ATOL)
     bound = fp8_lse_bound(q, k_deq, q.shape[-1] ** -0.5)
-    np.testing.assert_allclose(got.lse, want.lse, rtol=0, atol=LSE_ATOL + bound)
+    np.testing.assert_allclose(got.lse, rounded.lse, rtol=0, atol=LSE_ATOL + bound)
     if score is not None:
-        assert_scores_match(got.scores, tight.scores, logits_bound(deq_args, score, kv_heads))
+        assert_scores_match(got.scores, tight.scores,
+                            logits_bound(fp8_args, score, kv_heads, **scales))
 
 
 FP8_CORNERS = [  # every score and the scores pass, page boundaries, ragged and empty rows
@@ -665,6 +668,17 @@ FP8_CORNERS = [  # every score and the scores pass, page boundaries, ragged and 
 def test_fp8_matches_reference(cfg, score, dtype, opts, interpret):
     args = make_case(17, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
     assert_fp8_matches(args, score=score, dtype=dtype, interpret=interpret, **opts)
+
+
+@pytest.mark.parametrize("v_size", [1e-3, 1e3])
+def test_fp8_float16_values_far_from_one(v_size, interpret):
+    """float16 q with V rows of absmax ~1e-2 (scales below float16's normal range, where the
+    probabilities times a scale would lose their digits) and ~1e4 (far above): the values
+    still match at float16's tolerance."""
+    cfg, score, dtype, opts = FP8_CORNERS[3]
+    q, k, v, page_table, lengths = make_case(17, batch=len(cfg["lengths"]), dtype=dtype, **cfg)
+    assert_fp8_matches((q, k, (v * v_size).astype(dtype), page_table, lengths), score=score,
+                       dtype=dtype, interpret=interpret, **opts)
 
 
 def test_fp8_negative_control_wrong_scale_axis(interpret):

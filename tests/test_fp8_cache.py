@@ -1,7 +1,9 @@
-"""The fp8 (float8_e4m3fn) KV cache: the quantizer against its error bound, the cache's scale
-layout, every method at full budget on an fp8 cache against dense on the same cache (the
-embedded model), fp8 against bf16 logits, capacity and refused kv_dtype values. (Sharded
-equals unsharded with fp8: test_sharding.py.)"""
+"""The fp8 (float8_e4m3fn) KV cache: the quantizer against its error bound, the kernels'
+scales folded past their dots against dequantized tiles, the cache's scale layout, every
+method at full budget on an fp8 cache against dense on the same cache (the embedded model),
+fp8 against bf16 logits, capacity and refused kv_dtype values. (Sharded equals unsharded
+with fp8: test_sharding.py.)"""
+import functools
 import importlib
 import re
 
@@ -14,6 +16,7 @@ import sparsejax
 from sparsejax import cache as kv
 from sparsejax import methods as M
 from sparsejax.models import ModelConfig
+from sparsejax.pallas_kernels import common
 from sparsejax.plan import as_plan
 from sparsejax.train import data
 
@@ -62,6 +65,49 @@ def test_quantize_rounds_to_nearest():
     assert float(scale[0]) == 1.0
     np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32))[0],
                                   [448.0, 1.0, 1.25, -1.0, 3.0])
+
+
+def test_scales_folded_past_the_dots_equal_dequantized_tiles():
+    """The kernels' fp8 math: dots of the rows as stored (fp8 converted exactly), each row's
+    scale multiplying the logits q.k (rows along either axis) or the probabilities p that
+    weight V (`common.fold_scales`), equal the dots of the dequantized rows (`dequantize`) to
+    f32 rounding, over rows 6 decades apart; scales applied along the other axis do not."""
+    x = spread_values((16, 64), 6)                          # 16 tokens, each its own scale
+    x8, scale = kv.quantize_kv(jnp.asarray(x))
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((16, 64)).astype(np.float32)
+    p = rng.uniform(0, 1, (16, 16)).astype(np.float32)
+    stored, deq = x8.astype(jnp.float32), np.asarray(common.dequantize(x8, scale), np.float64)
+
+    def dot(a, b):
+        return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+    def assert_f32_close(got, a, b):   # a @ b in float64, within f32 rounding of its terms
+        want, size = a @ b, np.abs(a) @ np.abs(b)
+        assert np.all(np.abs(np.asarray(got, np.float64) - want) <= 1e-6 * size)
+
+    assert_f32_close(common.fold_scales(dot(q, stored.T), scale, axis=1), q, deq.T)
+    assert_f32_close(common.fold_scales(dot(stored, q.T), scale, axis=0), deq, q.T)
+    assert_f32_close(dot(common.fold_scales(p, scale, axis=1), stored), p, deq)
+    wrong = np.asarray(common.fold_scales(dot(q, stored.T), scale, axis=0), np.float64)
+    assert not np.allclose(wrong, q @ deq.T, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("dtype,size", [(jnp.bfloat16, 1e-6), (jnp.float16, 1e-4),
+                                        (jnp.float16, 1e4), (jnp.float32, 1e-6)])
+def test_weighed_values_keep_their_dtype_precision_far_from_one(dtype, size):
+    """The kernels' V step (`common.weigh_values`: the probabilities times the scales, then
+    the dot in q's dtype) on V rows of absmax ~`size`: within that dtype's rounding of the
+    weights, also where p * scale would fall below float16's normal range."""
+    rng = np.random.default_rng(8)
+    x8, scale = kv.quantize_kv(jnp.asarray(rng.standard_normal((32, 64)) * size, jnp.float32))
+    p = rng.uniform(0, 1, (16, 32)).astype(np.float32)
+    deq = np.asarray(common.dequantize(x8, scale), np.float64)
+    got = common.weigh_values(jnp.asarray(p), x8.astype(dtype), scale, functools.partial(
+        jnp.matmul, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32))
+    roundoff = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-23}[dtype]
+    err = np.abs(np.asarray(got, np.float64) - p @ deq)
+    assert np.all(err <= 2 * roundoff * (p @ np.abs(deq)))
 
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,

@@ -426,25 +426,30 @@ def test_native_gpu_cudnn():
 # ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
 def fp8_args(args):
     """(the fp8 cache's k/v pages and scales as keywords, args on that cache dequantized to
-    q's dtype: the tiles the kernel's dots take)."""
+    q's dtype: the rows cuDNN's path takes)."""
     q, k, v, page_table, start, lengths = args
     fp8, (k_deq, v_deq) = fp8_cache(k, v, q.dtype)
     return fp8, (q, k_deq, v_deq, page_table, start, lengths)
 
 
-def assert_fp8_matches(got, args, dtype, **kw):
-    """A result on the fp8 cache of `args` against the reference on that cache dequantized to
-    q's dtype at the 16-bit tolerances, and against the reference on the fp8 cache (f32
-    dequantization) within what q's dtype rounding of K and V moves the LSE."""
+def assert_fp8_matches(got, args, dtype, *, rounded_k=False, **kw):
+    """A result on the fp8 cache of `args` against the reference on that cache (f32
+    dequantization) at the 16-bit tolerances, and against the reference on the cache
+    dequantized to q's dtype within what that rounding of K moves the LSE: the Pallas
+    kernel's dots take the fp8 values exactly and its scales multiply the f32 logits.
+    rounded_k (cuDNN's path, which takes the rows dequantized to q's dtype): the other way
+    round."""
     fp8, dequantized = fp8_args(args)
-    assert_matches(got, paged_prefill_attention_reference(*dequantized, **kw), dtype)
     q, _, _, page_table, start, lengths = args
-    want = paged_prefill_attention_reference(q, page_table=page_table, start=start,
-                                             lengths=lengths, **fp8, **kw)
-    assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
-    finite = np.isfinite(np.asarray(want.lse))
+    exact = paged_prefill_attention_reference(q, page_table=page_table, start=start,
+                                              lengths=lengths, **fp8, **kw)
+    rounded = paged_prefill_attention_reference(*dequantized, **kw)
+    tight, loose = (rounded, exact) if rounded_k else (exact, rounded)
+    assert_matches(got, tight, dtype)
+    assert max_row_rel_error(got.out, loose.out) <= OUT_TOL[dtype]
+    finite = np.isfinite(np.asarray(loose.lse))
     bound = fp8_lse_bound(q, dequantized[1], q.shape[-1] ** -0.5)
-    np.testing.assert_allclose(np.asarray(got.lse)[finite], np.asarray(want.lse)[finite],
+    np.testing.assert_allclose(np.asarray(got.lse)[finite], np.asarray(loose.lse)[finite],
                                rtol=0, atol=LSE_ATOL + bound)
 
 
@@ -484,7 +489,7 @@ def test_fp8_split_prefill_matches_reference():
                                            lengths, sm_scale=cfg["head_dim"] ** -0.5,
                                            attend=contiguous_attention, k_scale=fp8["k_scale"],
                                            v_scale=fp8["v_scale"])
-    assert_fp8_matches(got, args, cfg["dtype"])
+    assert_fp8_matches(got, args, cfg["dtype"], rounded_k=True)
 
 
 def test_fp8_tile_scores_match_reference(interpret):
@@ -496,15 +501,17 @@ def test_fp8_tile_scores_match_reference(interpret):
     got = paged_tile_scores(q, fp8["k_pages"], page_table, start, lengths, lse, tile=tile,
                             k_scale=fp8["k_scale"], backend="pallas", interpret=interpret,
                             block_q=16, num_splits=2)
-    want = paged_tile_scores_reference(q, dequantized[1], page_table, start, lengths, lse,
-                                       tile=tile)
+    # the reference on the fp8 cache (K dequantized in f32): the kernel's dots take the fp8
+    # values exactly and its scales multiply the f32 logits
+    want = paged_tile_scores_reference(q, fp8["k_pages"], page_table, start, lengths, lse,
+                                       tile=tile, k_scale=fp8["k_scale"])
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-5)
-    # the reference on the fp8 cache (K dequantized in f32): bf16's rounding of K moves a
-    # logit, so a probability by a factor of at most exp(fp8_lse_bound)
-    exact = paged_tile_scores_reference(q, fp8["k_pages"], page_table, start, lengths, lse,
-                                        tile=tile, k_scale=fp8["k_scale"])
+    # on the cache dequantized to bf16: its rounding of K moves a logit, so a probability by
+    # a factor of at most exp(fp8_lse_bound)
+    rounded = paged_tile_scores_reference(q, dequantized[1], page_table, start, lengths, lse,
+                                          tile=tile)
     bound = fp8_lse_bound(q, dequantized[1], q.shape[-1] ** -0.5)
-    np.testing.assert_allclose(got, exact, rtol=1e-2 + np.expm1(bound), atol=1e-5)
+    np.testing.assert_allclose(got, rounded, rtol=1e-2 + np.expm1(bound), atol=1e-5)
     # K scales of the wrong head: far off
     wrong = paged_tile_scores(q, fp8["k_pages"], page_table, start, lengths, lse, tile=tile,
                               k_scale=fp8["k_scale"][:, ::-1], backend="pallas",

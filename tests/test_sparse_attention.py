@@ -703,19 +703,20 @@ def test_reference_takes_any_head_dim_and_page_size():
 
 # ---- an fp8 (float8_e4m3fn) cache with a scale per (page, KV head, slot) -------------------
 def fp8_case(case, dtype):
-    """(case on the fp8 cache of case's pages, case on that cache dequantized to q's dtype:
-    the tiles the kernel's dots take)."""
+    """(case on the fp8 cache of case's pages, case on that cache dequantized to q's
+    dtype)."""
     fp8, (k_deq, v_deq) = fp8_cache(case["k_pages"], case["v_pages"], dtype)
     return dict(case, **fp8), dict(case, k_pages=k_deq, v_pages=v_deq)
 
 
 def assert_fp8_close(got, case, opts, dtype, prior):
-    """The kernel on an fp8 cache against its reference on the cache dequantized to q's
-    dtype at the 16-bit tolerances, and against its reference on the fp8 cache (f32
-    dequantization) within what q's dtype rounding of K and V moves the LSE."""
+    """The kernel on an fp8 cache against its reference on that cache (f32 dequantization)
+    at the 16-bit tolerances (its dots take the fp8 values exactly and the scales multiply
+    the f32 logits), and against its reference on the cache dequantized to q's dtype within
+    what that rounding of K moves the LSE."""
     quantized, dequantized = fp8_case(case, dtype)
-    assert_close(got, sparse_decode_attention_reference(**dequantized, **opts), dtype, prior)
-    want = sparse_decode_attention_reference(**quantized, **opts)
+    assert_close(got, sparse_decode_attention_reference(**quantized, **opts), dtype, prior)
+    want = sparse_decode_attention_reference(**dequantized, **opts)
     assert max_row_rel_error(got.out, want.out) <= OUT_TOL[dtype]
     queries = case["q"] if "prior_query" not in opts else jnp.concatenate(
         [case["q"], opts["prior_query"].astype(case["q"].dtype)], axis=1)
@@ -753,8 +754,8 @@ def test_fp8_given_logits(interpret, path):
     rows = own_logits(dequantized, "group_sum", "reference")
     given = dict(opts, logits=rows)
     got = run(quantized, given, "pallas", interpret, **TUNINGS[path])
-    assert_close(got, sparse_decode_attention_reference(**dequantized, **given), jnp.bfloat16)
-    want = sparse_decode_attention_reference(**quantized, **given)
+    assert_close(got, sparse_decode_attention_reference(**quantized, **given), jnp.bfloat16)
+    want = sparse_decode_attention_reference(**dequantized, **given)
     assert max_row_rel_error(got.out, want.out) <= OUT_TOL[jnp.bfloat16]
     np.testing.assert_allclose(np.asarray(got.lse), np.asarray(want.lse), rtol=0, atol=LSE_TOL)
 
