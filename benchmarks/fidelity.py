@@ -7,6 +7,7 @@
     python benchmarks/fidelity.py calibration --delta D.json --kascade K.json
                                                               -> results/calibration.json
     python benchmarks/fidelity.py kv-dtype --kv-dtype bf16,fp8 -> results/fidelity_kv_dtype.json
+    python benchmarks/fidelity.py kv-dtype --model smollm2 --task niah --out F.json
 
 `merge` joins `sparsejax eval --json` outputs of one model, context and task set (e.g. runs
 split by method). `resa` reads the attention-output error of every base method with and
@@ -110,20 +111,23 @@ def resa_table(fidelity: dict, ratio: float) -> dict:
             "rows": rows}
 
 
-def _load():
+def _load(name=None):
+    """-> (path, the model in f32, its tokenizer): the embedded model unless `name` (a
+    checkpoint directory, a .gguf file or a packaged name such as smollm2)."""
     import jax.numpy as jnp
 
     import sparsejax
 
-    path = sparsejax.embedded_model_path()
+    path = name or sparsejax.embedded_model_path()
     return path, sparsejax.from_pretrained(path, dtype=jnp.float32), \
-        sparsejax.load_tokenizer(path).get_vocab()
+        sparsejax.load_tokenizer(path)
 
 
 def _run(methods, args) -> dict:
     from sparsejax import evaluation
 
-    path, model, vocab = _load()
+    path, model, tokenizer = _load()
+    vocab = tokenizer.get_vocab()
     return evaluation.evaluate(
         model, tasks=args.task.split(","), context=args.context, samples=args.samples,
         ratios=[args.ratio], methods=lambda ratio: methods(model, ratio), batch=args.batch,
@@ -214,7 +218,8 @@ def kv_dtype_table(args) -> dict:
     """Dense and every method with each KV cache dtype (see the module's docstring)."""
     from sparsejax import evaluation
 
-    path, model, vocab = _load()
+    path, model, tokenizer = _load(args.model)
+    vocab = tokenizer.get_vocab()
     kv_dtypes = [k.strip() for k in args.kv_dtype.split(",") if k.strip()]
     names = evaluation.parse_methods(args.methods)
     tasks = args.task.split(",")
@@ -223,7 +228,7 @@ def kv_dtype_table(args) -> dict:
         runs[kv_dtype] = evaluation.evaluate(
             model, tasks=tasks, context=args.context, samples=args.samples, ratios=[args.ratio],
             method_names=names, batch=args.batch, model_dir=path, vocab=vocab, timing=False,
-            seed=args.seed, kv_dtype=kv_dtype,
+            seed=args.seed, kv_dtype=kv_dtype, tokenizer=tokenizer,
             progress=lambda s, k=kv_dtype: print(f"[{k}] {s}", file=sys.stderr, flush=True))
     base = kv_dtypes[0]
     cells = {}
@@ -239,7 +244,7 @@ def kv_dtype_table(args) -> dict:
             row[f"accuracy_points_{kv_dtype}_vs_{base}"] = round(
                 100 * (row[f"accuracy_{kv_dtype}"] - row[f"accuracy_{base}"]), 2)
     first = runs[base]
-    task_set = evaluation.task_set(None, tasks, args.context)
+    task_set = evaluation.task_set(tokenizer, tasks, args.context)
     samples = task_set.samples(tasks, args.context, args.samples, args.seed, vocab)
     keys = ("model", "tasks", "task_set", "context", "samples_per_task", "seed", "device",
             "jax_version", "date", "lychee_retrieval_heads", "calibrated")
@@ -276,6 +281,9 @@ def main(argv=None) -> int:
         s.add_argument("--out", type=Path, default=RESULTS / (
             "fidelity_kv_dtype.json" if name == "kv-dtype" else f"{name}.json"))
         if name == "kv-dtype":
+            s.add_argument("--model", default=None, help="a checkpoint directory, .gguf "
+                           "file or 'smollm2' (default: the embedded model; a real tokenizer "
+                           "runs the prose tasks)")
             s.add_argument("--kv-dtype", default="bf16,fp8",
                            help="KV cache dtypes, comma-separated, the baseline first "
                            "(auto, bf16, f32, fp8)")
