@@ -67,6 +67,10 @@ class LayerContext(NamedTuple):
     head_shards: Any = None  # `sharded_attention.HeadShards` inside its shard_map, else None
     k_scale: jax.Array | None = None  # [L * num_pages, HK, P] f32: an fp8 cache's scales
     v_scale: jax.Array | None = None
+    # On a device of a mesh at a hybrid layer: [n] int32, the local KV heads this device
+    # attends to densely and selects for (its retrieval heads first, padded with others to the
+    # n that every device runs), so the top-k reads n rows per batch row, not every head's.
+    retrieval_rows: jax.Array | None = None
 
     def scales(self) -> dict:
         """The kernels' scale arguments (none for a bf16 / f32 cache)."""
@@ -173,6 +177,8 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
         static = at.static_layer is not None
+        if at.retrieval_rows is not None:
+            return _hybrid_rows(plan, at, sel, head_map, select, route)
         # a static mask also sizes the kernel's splits for the few heads it computes
         r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.static_layer], bool) if static
                    else dense_heads, **route.kernel_args())
@@ -193,6 +199,27 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if dense_out is not None:
         group = at.q.shape[1] // at.k_pages.shape[1]
         out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
+    return out, sel, Attended(sel, head_map, dense_heads)
+
+
+def _hybrid_rows(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, select, route):
+    """A hybrid layer on one device of a mesh: the static retrieval mask is the global
+    plan's, so each device gets its own heads as `at.retrieval_rows` (a traced [n], the same
+    n on every device). Those n heads attend densely and select; only the retrieval heads
+    among them keep their output and their new selection, as the unsharded static path."""
+    rows = at.retrieval_rows
+    hk = at.k_pages.shape[1]
+    dense_heads = at.step.retrieval[at.layer]
+    r = _dense(at, kv_heads=jnp.zeros((hk,), bool).at[rows].set(True), **route.kernel_args())
+    fresh = select(selection.take_groups(r.scores, rows), groups=rows.shape[0])
+    keep = dense_heads[rows]
+    sel = Selection(
+        indices=sel.indices.at[:, rows].set(
+            jnp.where(keep[None, :, None], fresh.indices, sel.indices[:, rows])),
+        count=sel.count.at[:, rows].set(jnp.where(keep[None, :], fresh.count, sel.count[:, rows])))
+    out = _sparse(plan, at, sel, head_map)
+    group = at.q.shape[1] // hk
+    out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], r.out, out)
     return out, sel, Attended(sel, head_map, dense_heads)
 
 
