@@ -176,25 +176,15 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        static = at.static_layer is not None
-        if at.retrieval_rows is not None:
-            return _hybrid_rows(plan, at, sel, head_map, select, route)
-        # a static mask also sizes the kernel's splits for the few heads it computes
-        r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.static_layer], bool) if static
-                   else dense_heads, **route.kernel_args())
-        if static:
-            # The retrieval heads are static here: select for their rows only (the top-k then
-            # reads 1/HK of the rows when one head in HK retrieves, as is typical).
-            heads = [h for h, retrieves in enumerate(plan.retrieval[at.static_layer]) if retrieves]
-            fresh = select(selection.take_groups(r.scores, heads), groups=len(heads))
-            sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
-                            count=sel.count.at[:, heads].set(fresh.count))
+        if at.static_layer is not None or at.retrieval_rows is not None:
+            sel, dense_out = _hybrid_select(plan, at, sel, select, route)
         else:
+            r = _dense(at, kv_heads=dense_heads, **route.kernel_args())
             fresh = select(r.scores)
             sel = Selection(
                 indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
                 count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
-        dense_out = r.out
+            dense_out = r.out
     out = _sparse(plan, at, sel, head_map, logits)
     if dense_out is not None:
         group = at.q.shape[1] // at.k_pages.shape[1]
@@ -202,25 +192,28 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     return out, sel, Attended(sel, head_map, dense_heads)
 
 
-def _hybrid_rows(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, select, route):
-    """A hybrid layer on one device of a mesh: the static retrieval mask is the global
-    plan's, so each device gets its own heads as `at.retrieval_rows` (a traced [n], the same
-    n on every device). Those n heads attend densely and select; only the retrieval heads
-    among them keep their output and their new selection, as the unsharded static path."""
-    rows = at.retrieval_rows
-    hk = at.k_pages.shape[1]
-    dense_heads = at.step.retrieval[at.layer]
-    r = _dense(at, kv_heads=jnp.zeros((hk,), bool).at[rows].set(True), **route.kernel_args())
-    fresh = select(selection.take_groups(r.scores, rows), groups=rows.shape[0])
-    keep = dense_heads[rows]
-    sel = Selection(
-        indices=sel.indices.at[:, rows].set(
-            jnp.where(keep[None, :, None], fresh.indices, sel.indices[:, rows])),
-        count=sel.count.at[:, rows].set(jnp.where(keep[None, :], fresh.count, sel.count[:, rows])))
-    out = _sparse(plan, at, sel, head_map)
-    group = at.q.shape[1] // hk
-    out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], r.out, out)
-    return out, sel, Attended(sel, head_map, dense_heads)
+def _hybrid_select(plan: SparsePlan, at: LayerContext, sel: Selection, select, route):
+    """A hybrid layer whose dense heads are known by count: the top-k reads their rows only
+    (1/HK of the rows when one head in HK retrieves, as is typical). Where the layer is
+    static they are the plan's retrieval heads, and the static mask also sizes the kernel's
+    splits for them. On a device of a mesh they are `at.retrieval_rows`: its retrieval heads
+    padded to the count every device runs; the padding's selection is dropped (and its
+    output by the caller's mask). -> (selection, dense output)."""
+    if at.retrieval_rows is None:
+        mask = np.asarray(plan.retrieval[at.static_layer], bool)
+        rows, computed, keep = np.flatnonzero(mask), mask, None
+    else:
+        rows = at.retrieval_rows
+        computed = jnp.zeros((at.k_pages.shape[1],), bool).at[rows].set(True)
+        keep = at.step.retrieval[at.layer][rows]
+    r = _dense(at, kv_heads=computed, **route.kernel_args())
+    fresh = select(selection.take_groups(r.scores, rows), groups=len(rows))
+    if keep is not None:
+        fresh = Selection(indices=jnp.where(keep[None, :, None], fresh.indices,
+                                            sel.indices[:, rows]),
+                          count=jnp.where(keep[None, :], fresh.count, sel.count[:, rows]))
+    return Selection(indices=sel.indices.at[:, rows].set(fresh.indices),
+                     count=sel.count.at[:, rows].set(fresh.count)), r.out
 
 
 def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits=None):
