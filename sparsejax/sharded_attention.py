@@ -97,11 +97,14 @@ def decode_attention(attend: Callable, mesh) -> Callable:
     already laid out so), gives each device a local config / plan / layer context of its own
     heads, and each device hands back the model's heads it owns in the Megatron layout, so
     nothing moves before the row-parallel o-projection. Selections per query head, and per KV
-    head when the KV heads divide over the ranks, stay sharded (a head map that reads another
-    device's set is gathered by the partitioner); with replicated KV heads the per-KV-head
-    selections are all-gathered; shared selections are computed identically on every device
-    from scores reduced across devices (`HeadShards`). On a "model" axis of size 1 there is
-    nothing to split: `attend` runs as it is (so a 1-device mesh costs what no mesh does).
+    head when the KV heads divide over the ranks, stay sharded (a head map that keeps every
+    KV head on its device is applied there; one that reads another device's set is gathered
+    by the partitioner); with replicated KV heads the per-KV-head selections are
+    all-gathered; shared selections are computed identically on every device from scores
+    reduced across devices (`HeadShards`). A hybrid layer's static retrieval heads reach each
+    device as its own row list (`_retrieval_rows`), so it attends densely to and selects for
+    those only. On a "model" axis of size 1 there is nothing to split: `attend` runs as it
+    is (so a 1-device mesh costs what no mesh does).
     """
     if model_size(mesh) == 1:
         return attend

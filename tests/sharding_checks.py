@@ -61,7 +61,14 @@ def all_methods(kv_heads: int) -> dict:
     lychee = methods.Lychee(retrieval, budget=methods.TopK(12), sinks=4, recent=4)
     delta = methods.DELTA(dense_layers=(0,), delta_layers=(1,), page_size=8, budget_pages=2,
                           recent_pages=1)
+    extra = {}
+    if kv_heads == 4:   # pairs of KV heads swap sets: on 2 KV heads per device, a map that
+        # stays on each device, applied there (on data=2,model=2)
+        extra["kascade_head_map_on_device"] = methods.Kascade(
+            anchor_layers=(0, 1), ratio=0.25, min_k=4,
+            head_map=np.array([[0, 1, 2, 3], [1, 0, 3, 2], [1, 1, 2, 2]]))
     return {
+        **extra,
         "dense": methods.Dense(),
         "delta": delta,
         "kascade": methods.Kascade(anchor_layers=(0, 1), ratio=0.25, min_k=4, head_map=head_map),
