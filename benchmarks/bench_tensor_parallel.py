@@ -319,13 +319,20 @@ def part_scaling(cfg, rows, skipped, tps):
 
 def add_efficiency(rows):
     """TP=1 ms / (N x TP=N ms) on every scaling row whose TP=1 cell ran (also from an earlier
-    process's rows: the parts may run on disjoint GPUs at the same time)."""
+    process's rows: the parts may run on disjoint GPUs at the same time), and
+    `speedup_kept`: the method's speedup over dense at TP=N as a share of its speedup at
+    TP=1 (1.0: sharding costs the sparse step what it costs dense)."""
     scaling = [r for r in rows if r.get("part") == "scaling"]
     one = {(r["method"], r["batch"]): r["ms"] for r in scaling if r["tp"] == 1}
+    one_speedup = {(r["method"], r["batch"]): r.get("speedup_vs_dense")
+                   for r in scaling if r["tp"] == 1}
     for r in scaling:
         t1 = one.get((r["method"], r["batch"]))
         r["tp1_ms"] = t1
         r["efficiency"] = None if t1 is None else round(t1 / (r["tp"] * r["ms"]), 3)
+        s1 = one_speedup.get((r["method"], r["batch"]))
+        r["speedup_kept"] = (None if not s1 or r.get("speedup_vs_dense") is None
+                             else round(r["speedup_vs_dense"] / s1, 3))
 
 
 def free_bytes(devices) -> int:

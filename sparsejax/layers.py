@@ -67,6 +67,10 @@ class LayerContext(NamedTuple):
     head_shards: Any = None  # `sharded_attention.HeadShards` inside its shard_map, else None
     k_scale: jax.Array | None = None  # [L * num_pages, HK, P] f32: an fp8 cache's scales
     v_scale: jax.Array | None = None
+    # On a device of a mesh at a hybrid layer: [n] int32, the local KV heads this device
+    # attends to densely and selects for (its retrieval heads first, padded with others to the
+    # n that every device runs), so the top-k reads n rows per batch row, not every head's.
+    retrieval_rows: jax.Array | None = None
 
     def scales(self) -> dict:
         """The kernels' scale arguments (none for a bf16 / f32 cache)."""
@@ -172,28 +176,44 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
         dense_heads = at.step.retrieval[at.layer]
-        static = at.static_layer is not None
-        # a static mask also sizes the kernel's splits for the few heads it computes
-        r = _dense(at, kv_heads=np.asarray(plan.retrieval[at.static_layer], bool) if static
-                   else dense_heads, **route.kernel_args())
-        if static:
-            # The retrieval heads are static here: select for their rows only (the top-k then
-            # reads 1/HK of the rows when one head in HK retrieves, as is typical).
-            heads = [h for h, retrieves in enumerate(plan.retrieval[at.static_layer]) if retrieves]
-            fresh = select(selection.take_groups(r.scores, heads), groups=len(heads))
-            sel = Selection(indices=sel.indices.at[:, heads].set(fresh.indices),
-                            count=sel.count.at[:, heads].set(fresh.count))
+        if at.static_layer is not None or at.retrieval_rows is not None:
+            sel, dense_out = _hybrid_select(plan, at, sel, select, route)
         else:
+            r = _dense(at, kv_heads=dense_heads, **route.kernel_args())
             fresh = select(r.scores)
             sel = Selection(
                 indices=jnp.where(dense_heads[None, :, None], fresh.indices, sel.indices),
                 count=jnp.where(dense_heads[None, :], fresh.count, sel.count))
-        dense_out = r.out
+            dense_out = r.out
     out = _sparse(plan, at, sel, head_map, logits)
     if dense_out is not None:
         group = at.q.shape[1] // at.k_pages.shape[1]
         out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
     return out, sel, Attended(sel, head_map, dense_heads)
+
+
+def _hybrid_select(plan: SparsePlan, at: LayerContext, sel: Selection, select, route):
+    """A hybrid layer whose dense heads are known by count: the top-k reads their rows only
+    (1/HK of the rows when one head in HK retrieves, as is typical). Where the layer is
+    static they are the plan's retrieval heads, and the static mask also sizes the kernel's
+    splits for them. On a device of a mesh they are `at.retrieval_rows`: its retrieval heads
+    padded to the count every device runs; the padding's selection is dropped (and its
+    output by the caller's mask). -> (selection, dense output)."""
+    if at.retrieval_rows is None:
+        mask = np.asarray(plan.retrieval[at.static_layer], bool)
+        rows, computed, keep = np.flatnonzero(mask), mask, None
+    else:
+        rows = at.retrieval_rows
+        computed = jnp.zeros((at.k_pages.shape[1],), bool).at[rows].set(True)
+        keep = at.step.retrieval[at.layer][rows]
+    r = _dense(at, kv_heads=computed, **route.kernel_args())
+    fresh = select(selection.take_groups(r.scores, rows), groups=len(rows))
+    if keep is not None:
+        fresh = Selection(indices=jnp.where(keep[None, :, None], fresh.indices,
+                                            sel.indices[:, rows]),
+                          count=jnp.where(keep[None, :], fresh.count, sel.count[:, rows]))
+    return Selection(indices=sel.indices.at[:, rows].set(fresh.indices),
+                     count=sel.count.at[:, rows].set(fresh.count)), r.out
 
 
 def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits=None):

@@ -49,13 +49,15 @@ class ScoreRoute(NamedTuple):
 
 
 def score_route(s: Selector, sharded: bool = False) -> ScoreRoute:
-    """The route of `s`'s scores; `sharded`: its layer's heads are spread over devices."""
+    """The route of `s`'s scores; `sharded`: its layer's heads are spread over devices. The
+    rules of one KV head's group (or one query head) pool the same rows on a device as
+    without a mesh: each device holds whole groups, so only the cross-head rules differ."""
     score = s.score
     if score == Score.MAX_HEADS and sharded:
         score = Score.HEAD_PROBS
     elif score == Score.ALL_HEADS_SUM:
         score = Score.GROUP_SUM
-    rows_poolable = (s.unit == 1 and not sharded and s.budget.kind in ("fixed", "ratio")
+    rows_poolable = (s.unit == 1 and s.budget.kind in ("fixed", "ratio")
                      and s.score in (Score.GROUP_SUM, Score.MEAN_QUERY, Score.HEAD_PROBS))
     return ScoreRoute(score, rows_poolable, rows_poolable and s.score != Score.GROUP_SUM)
 

@@ -10,6 +10,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from sparsejax.cache import KVPages, replicate_kv_heads
@@ -96,11 +97,14 @@ def decode_attention(attend: Callable, mesh) -> Callable:
     already laid out so), gives each device a local config / plan / layer context of its own
     heads, and each device hands back the model's heads it owns in the Megatron layout, so
     nothing moves before the row-parallel o-projection. Selections per query head, and per KV
-    head when the KV heads divide over the ranks, stay sharded (a head map that reads another
-    device's set is gathered by the partitioner); with replicated KV heads the per-KV-head
-    selections are all-gathered; shared selections are computed identically on every device
-    from scores reduced across devices (`HeadShards`). On a "model" axis of size 1 there is
-    nothing to split: `attend` runs as it is (so a 1-device mesh costs what no mesh does).
+    head when the KV heads divide over the ranks, stay sharded (a head map that keeps every
+    KV head on its device is applied there; one that reads another device's set is gathered
+    by the partitioner); with replicated KV heads the per-KV-head selections are
+    all-gathered; shared selections are computed identically on every device from scores
+    reduced across devices (`HeadShards`). A hybrid layer's static retrieval heads reach each
+    device as its own row list (`_retrieval_rows`), so it attends densely to and selects for
+    those only. On a "model" axis of size 1 there is nothing to split: `attend` runs as it
+    is (so a 1-device mesh costs what no mesh does).
     """
     if model_size(mesh) == 1:
         return attend
@@ -108,14 +112,22 @@ def decode_attention(attend: Callable, mesh) -> Callable:
     def run(role, plan, config, at, sel):
         copies = at.k_pages.shape[1] // config.num_kv_heads
         heads = _Heads(config, copies)
+        per_device = at.k_pages.shape[1] // model_size(mesh)       # cache heads per device
         s = plan.selector
         to_device, from_local, sel_out = _selection_routes(
             heads, None if s is None else s.groups, axis=1)
         sel_in = sel
+        local_map = None
         if role == Role.REUSE and s.groups == "kv":
-            # the head map, read in the global view: the partitioner gathers what it needs
-            head_map = at.step.head_map[at.layer]
-            sel_in = Selection(indices=sel.indices[:, head_map], count=sel.count[:, head_map])
+            local_map = _device_head_map(plan, at, per_device) if copies == 1 else None
+            if local_map is None and not _identity_head_map(plan, at):
+                # a head map reading sets chosen on other devices, applied in the global
+                # view: the partitioner all-gathers the selection. (Replicated KV heads
+                # carry a replicated selection, which is read where it lies.)
+                head_map = at.step.head_map[at.layer]
+                sel_in = Selection(indices=sel.indices[:, head_map],
+                                   count=sel.count[:, head_map])
+        rows = _retrieval_rows(plan, at, copies, per_device) if role == Role.HYBRID else None
         if to_device is not None:
             sel_in = jax.tree.map(to_device, sel_in)
         state_in = None if at.state is None else jax.tree_util.tree_map_with_path(
@@ -125,8 +137,11 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         step = at.step._replace(head_map=None, retrieval=None, capacity=None)   # static: closed over
         spec = _heads_spec(1)
 
-        def local(q, k_pages, v_pages, scales, table, step, retrieval, state, sel):
+        def local(q, k_pages, v_pages, scales, table, step, retrieval, state, sel, local_map,
+                  rows):
             hk = k_pages.shape[1]
+            if local_map is not None:   # each KV head reads a set chosen on this device
+                sel = Selection(indices=sel.indices[:, local_map], count=sel.count[:, local_map])
             local_config = dataclasses.replace(config, num_heads=q.shape[1], num_kv_heads=hk)
             step = step._replace(retrieval=retrieval, capacity=at.step.capacity,
                                  head_map=jnp.arange(hk, dtype=jnp.int32)[None])
@@ -135,7 +150,8 @@ def decode_attention(attend: Callable, mesh) -> Callable:
             local_at = at._replace(step=step, layer=jnp.zeros((), jnp.int32), static_layer=None,
                                    q=q, k_pages=k_pages, v_pages=v_pages, table=table,
                                    k_scale=scales[0], v_scale=scales[1],
-                                   state=state, head_shards=HeadShards(MODEL, copies))
+                                   state=state, head_shards=HeadShards(MODEL, copies),
+                                   retrieval_rows=rows)
             out, new_sel, _ = attend(role, plan, local_config, local_at, sel)
             if from_local is not None:
                 new_sel = jax.tree.map(from_local, new_sel)
@@ -149,9 +165,10 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         out, new_sel = _on_devices(
             local, mesh,
             (heads.per_q(at.q), at.k_pages, at.v_pages, scales, at.table, step, retrieval,
-             state_in, sel_in),
+             state_in, sel_in, local_map, rows),
             (spec, spec, spec, scale_specs, P(), P(), spec, state_specs,
-             P() if to_device is None else spec),
+             P() if to_device is None else spec, None if local_map is None else P(MODEL),
+             None if rows is None else P(MODEL)),
             (spec, sel_out))
         # reuse carries the selection on unchanged (the head-mapped one was this layer's only)
         carried = sel if role == Role.REUSE else new_sel
@@ -163,6 +180,55 @@ def decode_attention(attend: Callable, mesh) -> Callable:
         return out, carried, attended
 
     return run
+
+
+def _head_map_rows(plan, at) -> np.ndarray:
+    """The head-map rows this layer may read: its own where the layer is static, else every
+    layer's ([rows, HK])."""
+    table = np.asarray(plan.head_map, np.int32)
+    return table if at.static_layer is None else table[at.static_layer][None]
+
+
+def _identity_head_map(plan, at) -> bool:
+    if plan.head_map is None:
+        return True
+    rows = _head_map_rows(plan, at)
+    return bool((rows == np.arange(rows.shape[1])).all())
+
+
+def _device_head_map(plan, at, per_device: int):
+    """This layer's head map in each device's own indices ([HK] int32, device d's entries
+    at d * per_device ...), when every KV head reads a set chosen on its own device: the
+    selection is then mapped where it lies, with no collective. None for the identity (read
+    as it is) and for a map that crosses devices."""
+    if _identity_head_map(plan, at):
+        return None
+    rows = _head_map_rows(plan, at)
+    device = np.arange(rows.shape[1]) // per_device
+    if not (rows // per_device == device).all():
+        return None
+    row = (jnp.asarray(plan.head_map, jnp.int32)[at.layer] if at.static_layer is None
+           else jnp.asarray(rows[0]))
+    return row - jnp.asarray(device * per_device, jnp.int32)
+
+
+def _retrieval_rows(plan, at, copies: int, per_device: int) -> jax.Array:
+    """A hybrid layer's dense heads per device, flattened [devices * n] (local indices, split
+    over "model"): each device's retrieval heads first, padded with its other heads to n, the
+    most any device holds. Every device then runs the same n dense heads and n top-k rows;
+    the padding's output and selection are dropped. n is this layer's where the layer is
+    static, else the most of any hybrid layer (the row is read by the traced layer index)."""
+    mask = np.repeat(np.asarray(plan.retrieval, bool), copies, axis=1)       # [L, cache heads]
+    mask = mask.reshape(mask.shape[0], -1, per_device)                     # [L, devices, own]
+    if at.static_layer is not None:
+        layers = [at.static_layer]
+    else:
+        layers = [layer for layer, role in enumerate(plan.roles) if role == Role.HYBRID]
+    n = max(1, int(mask[layers].sum(-1).max()))
+    order = np.argsort(~mask, axis=-1, kind="stable")[..., :n].astype(np.int32)
+    if at.static_layer is not None:
+        return jnp.asarray(order[at.static_layer].reshape(-1))
+    return jnp.asarray(order)[at.layer].reshape(-1)
 
 
 def _state_to_device(name: str, x: jax.Array, heads: _Heads) -> jax.Array:

@@ -61,7 +61,14 @@ def all_methods(kv_heads: int) -> dict:
     lychee = methods.Lychee(retrieval, budget=methods.TopK(12), sinks=4, recent=4)
     delta = methods.DELTA(dense_layers=(0,), delta_layers=(1,), page_size=8, budget_pages=2,
                           recent_pages=1)
+    extra = {}
+    if kv_heads == 4:   # pairs of KV heads swap sets: on 2 KV heads per device, a map that
+        # stays on each device, applied there (on data=2,model=2)
+        extra["kascade_head_map_on_device"] = methods.Kascade(
+            anchor_layers=(0, 1), ratio=0.25, min_k=4,
+            head_map=np.array([[0, 1, 2, 3], [1, 0, 3, 2], [1, 1, 2, 2]]))
     return {
+        **extra,
         "dense": methods.Dense(),
         "delta": delta,
         "kascade": methods.Kascade(anchor_layers=(0, 1), ratio=0.25, min_k=4, head_map=head_map),
@@ -330,6 +337,78 @@ def job_checks(results: dict, tmp_dir: str) -> None:
     results["jobs/gates_moved"] = float(np.max(np.abs(states[0].params["log_a"])))  # from 0
 
 
+# ---- collectives in the compiled sharded decode step -------------------------------------------
+# Llama-3.1-8B's layout at TP=4 in miniature: 8 KV heads, 2 per device on model=4
+COLLECTIVE_KV_HEADS, COLLECTIVE_BATCH, COLLECTIVE_CAPACITY = 8, 4, 48
+COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                    "collective-permute")
+
+
+def collective_methods() -> dict:
+    """The methods the benchmark runs, and Kascade's head map three ways: the identity, one
+    that keeps every KV head on its device (pairs swapped, then one set shared per pair),
+    and all_methods' map, whose last layer reads one device's set everywhere."""
+    table = all_methods(COLLECTIVE_KV_HEADS)
+    kascade = dict(anchor_layers=(0, 1), ratio=0.25, min_k=4)
+    on_device = np.array([range(8), [1, 0, 3, 2, 5, 4, 7, 6], [0, 0, 3, 3, 4, 4, 6, 6]])
+    return {
+        "dense": table["dense"], "delta": table["delta"], "lychee": table["lychee"],
+        "tidal": table["tidal"],
+        "kascade": methods.Kascade(**kascade),
+        "kascade_head_map_on_device": methods.Kascade(**kascade, head_map=on_device),
+        "kascade_head_map_across": table["kascade"],
+        "kascade_sparse_anchors": table["kascade_sparse_anchors"],
+    }
+
+
+def collectives(compiled_text: str) -> list:
+    """[kind, result shape] of every collective in an optimized HLO module, in order."""
+    import re
+    pattern = re.compile(r"= (\S+?)(?:\{[^}]*\})? (" + "|".join(COLLECTIVE_KINDS)
+                         + r")(?:-start)?\(")
+    return [[m.group(2), m.group(1)] for m in map(pattern.search, compiled_text.splitlines())
+            if m]
+
+
+def top_k_shapes(jaxpr) -> list:
+    """The operand shape of every `lax.top_k` in a jaxpr and the jaxprs inside it, in order
+    (inside a shard_map: one device's)."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "top_k":
+            shapes.append(list(eqn.invars[0].aval.shape))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    shapes += top_k_shapes(inner)
+    return shapes
+
+
+def collective_checks(results: dict) -> None:
+    """Every collective of the jitted decode step compiled on model=4 (not run), per method,
+    and the rows of each top-k (CPU runs `lax.top_k`) on one device."""
+    from sparsejax.plan import as_plan
+
+    c = ModelConfig(model_type="llama", vocab_size=128, hidden_size=32, num_layers=LAYERS,
+                    num_heads=16, num_kv_heads=COLLECTIVE_KV_HEADS, head_dim=16,
+                    intermediate_size=64)
+    msh = mesh(4)
+    m = sparsejax.shard(sparsejax.Model(c, unstack_layers(init_params(c, jax.random.key(0)))),
+                        msh)
+    step = jax.jit(sparsejax.decode_step, static_argnames=("plan",))
+    tokens = jnp.zeros((COLLECTIVE_BATCH,), jnp.int32)
+    for name, method in collective_methods().items():
+        plan = as_plan(method, c, None)
+        cache = sparsejax.allocate(c, COLLECTIVE_BATCH, COLLECTIVE_CAPACITY,
+                                   page_size=plan.page_size, dtype=jnp.float32, mesh=msh)
+        compiled = step.lower(m, cache, tokens, plan=plan).compile().as_text()
+        results[f"collectives/{name}"] = collectives(compiled)
+        jaxpr = jax.make_jaxpr(lambda *a, plan=plan: sparsejax.decode_step(*a, plan))(
+            m, cache, tokens)
+        results[f"top_k/{name}"] = top_k_shapes(jaxpr.jaxpr)
+
+
 # ---- bad meshes ------------------------------------------------------------------------------
 def error_checks(results: dict) -> None:
     m = model(2)
@@ -360,6 +439,11 @@ def error_checks(results: dict) -> None:
 
 if __name__ == "__main__":
     results = {"devices": jax.device_count()}
+    if sys.argv[2:] == ["collectives"]:   # compiles only: its own, short run
+        collective_checks(results)
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f)
+        sys.exit(0)
     for checks in (error_checks, layout_checks, eager_checks, path_checks, generate_checks,
                    fp8_checks):
         checks(results)

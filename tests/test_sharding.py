@@ -1,5 +1,6 @@
 """Tensor parallelism on 8 host devices: every method's sharded `generate` equals the unsharded
-run, outputs are laid out as `sparsejax.sharding`'s table says, bad meshes are refused.
+run, outputs are laid out as `sparsejax.sharding`'s table says, bad meshes are refused, and the
+compiled sharded decode step holds only the collectives each method needs.
 
 The checks run once in a subprocess (sharding_checks.py): JAX must see 8 CPU devices, which
 `XLA_FLAGS` sets only before JAX starts.
@@ -8,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,58 @@ def results(tmp_path_factory):
                           env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The compiled sharded decode step's collectives and top-k shapes (compiles only)."""
+    out = tmp_path_factory.mktemp("collectives") / "results.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, str(HERE / "sharding_checks.py"), str(out),
+                           "collectives"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _megatron(batch: int = checks.COLLECTIVE_BATCH, hidden: int = 32) -> Counter:
+    """What tensor parallelism itself needs: an all-reduce of the [B, H] hidden state after
+    each layer's row-parallel o-projection and down projection, and one after the
+    vocabulary-sharded embedding (the logits stay split on the vocabulary)."""
+    return Counter({("all-reduce", f"f32[{batch},{hidden}]"): 2 * checks.LAYERS + 1})
+
+
+# Kascade's buffer: 25% of the 48-token capacity
+_KASCADE_GATHER = Counter({("all-gather", f"s32[{checks.COLLECTIVE_BATCH},8,12]"): 1,
+                           ("all-gather", f"s32[{checks.COLLECTIVE_BATCH},8]"): 1})
+
+
+@pytest.mark.parametrize("name, extra", [
+    ("dense", Counter()),
+    # the max over every query head per token crosses devices at the one Δ-layer
+    ("delta", Counter({("all-reduce", f"f32[{checks.COLLECTIVE_BATCH},"
+                                      f"{checks.COLLECTIVE_CAPACITY}]"): 1})),
+    # per-KV-head and per-query-head selections are chosen and read on their own devices
+    ("lychee", Counter()), ("tidal", Counter()), ("kascade", Counter()),
+    ("kascade_head_map_on_device", Counter()),
+    # the last layer reads one device's set at every head: its indices and counts gathered
+    ("kascade_head_map_across", _KASCADE_GATHER),
+    ("kascade_sparse_anchors", _KASCADE_GATHER),
+])
+def test_sharded_step_collectives(compiled, name, extra):
+    """Every collective in the compiled decode step on model=4 with 2 of 8 KV heads per
+    device (Llama-3.1-8B at TP=4 in miniature): Megatron's all-reduces and only the ones a
+    method's rules need to cross devices."""
+    got = Counter(tuple(c) for c in compiled[f"collectives/{name}"])
+    assert got == _megatron() + extra
+
+
+def test_lychee_hybrid_layer_selects_its_retrieval_heads_per_device(compiled):
+    """Layer 0 (every head retrieves) selects for a device's 2 KV heads per row; the hybrid
+    layer (one retrieval head) for one per row on every device, as without a mesh, not for
+    every head the device holds."""
+    b, t = checks.COLLECTIVE_BATCH, checks.COLLECTIVE_CAPACITY
+    assert compiled["top_k/lychee"] == [[2 * b, t], [b, t]]
 
 
 def _generate_cases():
