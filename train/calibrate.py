@@ -15,6 +15,8 @@ the model it was made for; `methods.DELTA/Kascade.from_calibration` read it.
         (both methods from one decoding pass; DIR/calibration/{delta,kascade}.json)
     sparsejax calibrate --method kascade --task niah,vt --samples 16 --context 2048 \
         --decode-steps 16 --anchors 5 --out kascade.json --plot plots/
+        (--task: the synthetic tasks for the embedded model's vocabulary, else the prose
+        tasks of `sparsejax.tasks`, as `sparsejax eval` runs them)
 """
 from __future__ import annotations
 
