@@ -431,6 +431,28 @@ def test_calibrate_and_train_gates_from_text_feed_llm(hf_text_model, capsys):
     assert len(lychee.generate(["The story begins"], sparsejax.SamplingParams(max_tokens=3))) == 1
 
 
+def test_task_prompts_follow_the_tokenizer(hf_text_model, tmp_path):
+    """--task gives the prompts `sparsejax eval` would run for this tokenizer (the prose tasks
+    for a real one), seeds SEED, SEED + 1, ... round-robin over the tasks."""
+    from sparsejax.evaluation import task_set
+
+    model_dir, _ = hf_text_model
+    tok = sparsejax.load_tokenizer(model_dir)
+    chosen = task_set(tok, ["niah", "vt"], 256)
+    assert cli("--model", str(model_dir), "--method", "delta", "--task", "niah,vt", "--samples",
+               "3", "--seed", "7", "--context", "256", "--decode-steps", "2", "--count", "1",
+               "--out", str(tmp_path / "d.json")) == 0
+    doc = A.load_calibration(tmp_path / "d.json", "delta")
+    assert doc["settings"]["prompts"] == f"{chosen.name} tasks niah,vt (seed 7)"
+    want = chosen.samples(["niah", "vt"], 256, 2, 7, tok.get_vocab())[:3]
+    assert [s.task for s in want] == ["niah", "vt", "niah"]
+    ids, lengths = chosen.batch(want)
+    assert doc["settings"]["samples"] == 3 and doc["settings"]["context"] == int(lengths.max())
+    model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32)
+    shift = C.attention_shift(model, ids, lengths=lengths, decode_steps=2, progress=False)
+    np.testing.assert_allclose(doc["curves"]["shift"], shift, rtol=1e-6, atol=1e-7)
+
+
 def test_text_calibration_errors_name_the_flag(hf_text_model, tmp_path, capsys):
     from sparsejax import cli
 
@@ -441,8 +463,13 @@ def test_text_calibration_errors_name_the_flag(hf_text_model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "--text" in err and "holds no text" in err, err
     rc = cli.main(["calibrate", "--model", str(model_dir), "--task", "niah", "--samples", "1",
-                   "--context", "64", "--out", str(tmp_path / "out")])
-    assert rc == 2 and "--text FILE" in capsys.readouterr().err
+                   "--context", "16", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--task niah at --context 16" in err and "too short" in err, err
+    rc = cli.main(["calibrate", "--model", str(model_dir), "--task", "niah,nosuch",
+                   "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--task nosuch" in err, err
     with pytest.raises(ValueError, match="one per method: give a directory"):
         C.calibration_path(tmp_path / "c.json", "delta", ("delta", "kascade"))
 

@@ -15,6 +15,8 @@ the model it was made for; `methods.DELTA/Kascade.from_calibration` read it.
         (both methods from one decoding pass; DIR/calibration/{delta,kascade}.json)
     sparsejax calibrate --method kascade --task niah,vt --samples 16 --context 2048 \
         --decode-steps 16 --anchors 5 --out kascade.json --plot plots/
+        (--task: the synthetic tasks for the embedded model's vocabulary, else the prose
+        tasks of `sparsejax.tasks`, as `sparsejax eval` runs them)
 """
 from __future__ import annotations
 
@@ -224,8 +226,11 @@ def kascade_similarity(model: Model, prompts, *, k: int = 64, decode_steps: int,
         layer l's post-softmax attention of the step's query summed over KV head h's query
         group and normalised to sum 1: how much of its own top-k mass layer b head h2 keeps when
         it reuses layer a head h1's top-k. Minimum over the decode steps of a prompt (the worst
-        token, §3.3), mean over prompts. Defined for a <= b (a reuse layer only reads an earlier
-        anchor; sim[a, a, h, h] = 1); NaN where a > b.
+        token, §3.3), mean over prompts. The paper scores every prompt token; here only the
+        decode steps, the queries sparse decoding serves, so prompts that end where decoding
+        reads from far back (a task's question) place the anchors for retrieval. Defined for
+        a <= b (a reuse layer only reads an earlier anchor; sim[a, a, h, h] = 1); NaN where
+        a > b.
       importance[l] = 1 - cos(x, x + attn_out), x = layer l's input hidden state and attn_out
         its attention block's output (after o_proj); mean over decode steps and prompts.
     Dense greedy decoding as in `attention_shift` (`mesh` too).
@@ -457,9 +462,10 @@ def add_parser(sub) -> None:
     source.add_argument("--prompts", default=None, help="text file, ONE PROMPT PER LINE, "
                         "tokenized with the model's tokenizer (for documents use --text; "
                         "default: none)")
-    source.add_argument("--task", default=None, help="synthetic prompts of these comma-separated "
-                        f"tasks, in turn (default without --text/--prompts: all of "
-                        f"{','.join(TASKS)}; the shipped model's vocabulary only)")
+    source.add_argument("--task", default=None, help="task prompts of these comma-separated "
+                        "tasks, in turn: the synthetic tasks for the shipped model's "
+                        "vocabulary, else the long-context prose tasks of `sparsejax eval` "
+                        f"(default without --text/--prompts: {','.join(TASKS)})")
     p.add_argument("--samples", type=positive_int, default=16, help="prompts (windows of "
                    "--text, the first N lines of --prompts)")
     p.add_argument("--context", type=positive_int, default=None, help="prompt tokens: the "
@@ -473,7 +479,9 @@ def add_parser(sub) -> None:
                    "included (default 5, the paper's, or fewer on a shallow model)")
     p.add_argument("--k", type=positive_int, default=64, help="kascade: top-k of the similarity")
     p.add_argument("--batch", type=positive_int, default=8, help="prompts decoded together")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --task prompts (the prose "
+                   "tasks' prompt i has seed SEED + i; evaluations start at seed 0, so a "
+                   "seed past theirs keeps the calibration prompts apart)")
     p.add_argument("--dtype", choices=["f32", "bf16"], default="f32", help="compute dtype")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor parallel over this many devices (README: Several GPUs)")
@@ -513,17 +521,22 @@ def _cli_prompts(args, tokenizer, context, texts=None):
         for i, r in enumerate(rows):
             ids[i, :len(r)] = r
         return ids, lengths, f"file {args.prompts} (one prompt per line)"
+    from sparsejax.evaluation import task_set
+
     tasks = [t.strip() for t in (args.task or ",".join(data.TASKS)).split(",") if t.strip()]
-    vocab = tokenizer.get_vocab()
+    # the task set `sparsejax eval` would run for this tokenizer: the synthetic tasks in the
+    # shipped model's vocabulary, else the long-context prose tasks (`sparsejax.tasks`)
+    if not tasks:
+        raise ValueError(f"--task {args.task!r}: expected comma-separated task names")
+    chosen = task_set(tokenizer, tasks, context)
+    per_task = -(-args.samples // len(tasks))
     try:
-        samples = [data.make_sample(tasks[i % len(tasks)], context, args.seed, i // len(tasks),
-                                    vocab) for i in range(args.samples)]
-    except (KeyError, ValueError) as e:
-        raise ValueError(f"--task {','.join(tasks)}: the synthetic tasks need the shipped "
-                         f"model's word vocabulary ({e}); calibrate this model on your own "
-                         "documents with --text FILE...") from None
-    ids, lengths = data.prompt_batch(samples)
-    return ids, lengths, f"synthetic tasks {','.join(tasks)} (seed {args.seed})"
+        samples = chosen.samples(tasks, context, per_task, args.seed,
+                                 tokenizer.get_vocab())[:args.samples]  # round-robin over tasks
+    except ValueError as e:
+        raise ValueError(f"--task {','.join(tasks)} at --context {context}: {e}") from None
+    ids, lengths = chosen.batch(samples)
+    return ids, lengths, f"{chosen.name} tasks {','.join(tasks)} (seed {args.seed})"
 
 
 def _check_counts(args, num_layers: int, shortest_prompt: int) -> None:
