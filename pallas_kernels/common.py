@@ -288,7 +288,10 @@ def fold_scales(x, scale, axis: int):
     """`dequantize` moved past a dot: x [a, b], f32, made from fp8 rows (`load_fp8`) along
     `axis` -- the logits q.k of the K rows, or the probabilities p that weight the V rows --
     times each row's scale [n] -> f32. q.(k * s) = (q.k) * s and p.(v * s) = (p * s).v, so
-    the scale costs a multiply per logit, not one per element of the [n, D] tile."""
+    the scale costs a multiply per logit, not one per element of the [n, D] tile. scale None
+    (a cache stored in q's dtype): x as it is."""
+    if scale is None:
+        return x
     return x * (scale[None, :] if axis == 1 else scale[:, None])
 
 

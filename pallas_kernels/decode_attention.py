@@ -226,8 +226,7 @@ def _decode_kernel(
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
-        if k_scale is not None:
-            s = common.fold_scales(s, k_scale, axis=1)
+        s = common.fold_scales(s, k_scale, axis=1)
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so m_new is finite.
         m_new = jnp.maximum(m, jnp.max(s, axis=1))

@@ -153,8 +153,7 @@ def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot, k_scale=None, v_scale
     `keep`, a mask broadcastable to [rows, block_n]; None: every key) -> (acc, m, l). An
     fp8 cache's K and V rows come with their scales [block_n] (`common.fold_scales`)."""
     s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
-    if k_scale is not None:
-        s = common.fold_scales(s, k_scale, axis=1)
+    s = common.fold_scales(s, k_scale, axis=1)
     if keep is None:
         m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
     else:
@@ -383,8 +382,7 @@ def _tile_scores_kernel(
         # (within a warp), not across the warps that split the query rows.
         s = lax.dot_general(k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                             precision=st.precision) * (st.sm_scale * common.LOG2E)
-        if k_scale is not None:
-            s = common.fold_scales(s, k_scale, axis=0)
+        s = common.fold_scales(s, k_scale, axis=0)
         p = jnp.exp2(s - lse[None, :])  # [block_n, rows]
         if masked:  # a whole block (the output is padded to whole blocks): past lo adds 0
             p = jnp.where(valid[:, None], p, 0.0)

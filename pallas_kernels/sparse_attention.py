@@ -295,8 +295,7 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
         if given is None:
             # f32 inputs: IEEE dots (Triton's default is TF32); bf16/f16 are unaffected.
             s = plgpu.dot(queries.qs, k, trans_b=True, precision=lax.Precision.HIGHEST) * scale
-            if k_scale is not None:
-                s = common.fold_scales(s, k_scale, axis=1)
+            s = common.fold_scales(s, k_scale, axis=1)
         return (*_online_softmax(queries, s, v, v_scale, pos, acc, m, l), *ahead)
 
     block_h, head_dim = queries.qs.shape
