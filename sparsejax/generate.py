@@ -717,9 +717,8 @@ def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
                        dtype=jnp.bfloat16, kv_copies: int = 1, plan: SparsePlan | None = None,
                        kv_dtype=None):
     """XLA's memory analysis of a jitted `decode_step` with the cache donated, at these
-    shapes (compiled, not run), for a model of `dtype` over a cache of `kv_dtype`. Returns
-    (temporaries, outputs not aliased to the donated cache) in bytes: what the step needs
-    beside its arguments (weights, cache)."""
+    shapes (compiled, not run), for a model of `dtype` over a cache of `kv_dtype`: the bytes
+    the step needs beside its arguments (weights, cache; `_program_bytes`)."""
     from sparsejax.plan import dense_plan
 
     plan = dense_plan(config, page_size) if plan is None else plan
@@ -727,8 +726,7 @@ def decode_step_memory(config, batch: int, capacity: int, page_size: int = 16,
     cache = _abstract_cache(model, batch, capacity, plan, kv_copies, kv_dtype)
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     step = jax.jit(functools.partial(decode_step, plan=plan), donate_argnums=1)
-    m = step.lower(model, cache, tokens).compile().memory_analysis()
-    return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+    return _program_bytes(step.lower(model, cache, tokens).compile())
 
 
 @functools.lru_cache(maxsize=32)
@@ -738,9 +736,8 @@ def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: in
     """XLA's memory analysis of a jitted `prefill` of `batch` prompts of `prompt_len` tokens,
     `chunk` tokens a step, into a donated cache (of `kv_dtype`) of `capacity` tokens per row
     (compiled, not run; steps of `extend.ROLLED_MIN_TOKENS` or more compile one layer).
-    Returns (temporaries, outputs not aliased to the donated cache) in bytes: what the
-    prefill needs beside the weights and the cache (a chunk's activations and attention
-    buffers)."""
+    Returns the bytes the prefill needs beside the weights and the cache (`_program_bytes`:
+    a chunk's activations and attention buffers)."""
     from sparsejax.plan import dense_plan
 
     plan = dense_plan(config, page_size) if plan is None else plan
@@ -751,8 +748,7 @@ def prefill_memory(config, batch: int, prompt_len: int, capacity: int, chunk: in
     ids = jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
     fill = jax.jit(functools.partial(_prefill, plan=plan, chunk=chunk), donate_argnums=1)
-    m = fill.lower(model, cache, ids, lengths).compile().memory_analysis()
-    return m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes
+    return _program_bytes(fill.lower(model, cache, ids, lengths).compile())
 
 
 def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies, kv_dtype) -> int:
@@ -763,8 +759,8 @@ def _step_temporaries(config, batch, capacity, page_size, dtype, kv_copies, kv_d
     from sparsejax.plan import dense_plan
 
     if kv_copies != 1:
-        return sum(decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies,
-                                      kv_dtype=kv_dtype))
+        return decode_step_memory(config, batch, capacity, page_size, dtype, kv_copies,
+                                  kv_dtype=kv_dtype)
     plan = dense_plan(config, page_size)
     cache = kv.kv_bytes(config, batch, capacity, page_size=page_size, dtype=dtype,
                         kv_dtype=kv_dtype)
@@ -819,10 +815,10 @@ def program_bytes_at(config, batch: int, prompt_len: int, capacity: int, plan: S
                         kv_copies=kv_copies, kv_dtype=kv_dtype)
     chunk = choose_prefill_chunk(config, batch, prompt_len, tile=plan.prefill_tile,
                                  free_bytes=free - cache, span=capacity, dtype=dtype)
-    step = sum(decode_step_memory(config, batch, capacity, plan.page_size, dtype, kv_copies,
-                                  plan, kv_dtype))
-    fill = sum(prefill_memory(config, batch, prompt_len, capacity, chunk, plan.page_size,
-                              dtype, kv_copies, plan, kv_dtype))
+    step = decode_step_memory(config, batch, capacity, plan.page_size, dtype, kv_copies, plan,
+                              kv_dtype)
+    fill = prefill_memory(config, batch, prompt_len, capacity, chunk, plan.page_size, dtype,
+                          kv_copies, plan, kv_dtype)
     return cache + max(step, fill)
 
 

@@ -186,7 +186,7 @@ def test_fp8_bytes_and_max_batch(monkeypatch):
     per_row = 10_000
     for program in ("decode_step_memory", "prefill_memory"):
         monkeypatch.setattr(gen, program,
-                            lambda config, batch, *args, **kwargs: (batch * per_row, 0))
+                            lambda config, batch, *args, **kwargs: batch * per_row)
     free = 40 * bf16 // 3 + 12345
     b16 = sparsejax.max_batch(cfg, context, dtype=jnp.bfloat16, free_bytes=free)
     b8 = sparsejax.max_batch(cfg, context, dtype=jnp.bfloat16, free_bytes=free, kv_dtype="fp8")

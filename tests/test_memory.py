@@ -287,7 +287,7 @@ def test_max_batch_counts_the_prefill(monkeypatch):
     assert sparsejax.max_batch(SHALLOW, context, dtype=f32, free_bytes=free) == 5
     # counting the decode step alone would have taken a sixth row
     assert (kv.kv_bytes(SHALLOW, 6, context, dtype=f32)
-            + sum(decode_step_memory(SHALLOW, 6, context, 16, f32))) <= free
+            + decode_step_memory(SHALLOW, 6, context, 16, f32)) <= free
     model = sparsejax.Model(SHALLOW, init_params(SHALLOW, jax.random.key(0)))
     monkeypatch.setattr(kv, "memory_available", lambda: free)
     monkeypatch.setattr(kv, "_ROOM_TO_SPARE", 10**9)   # compile and check even a small cache
