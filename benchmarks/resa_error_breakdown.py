@@ -43,6 +43,7 @@ import sparsejax
 from sparsejax import cache as kv
 from sparsejax import layers, methods as M, resa
 from sparsejax.generate import _decode_step
+from sparsejax.pallas_kernels.common import merge_partials
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,10 +71,8 @@ def _attend(logits, v):
 
 
 def _combine(o1, l1, o2, l2):
-    """Two softmax parts (output, log-sum-exp) as one."""
-    lse = jnp.logaddexp(l1, l2)
-    w2 = jnp.where(jnp.isfinite(l2), jnp.exp(l2 - lse), 0.0)[..., None]
-    return jnp.exp(l1 - lse)[..., None] * o1 + w2 * o2
+    """Two softmax parts (output, log-sum-exp) as one (the kernels' merge)."""
+    return merge_partials(jnp.stack([o1, o2]), jnp.stack([l1, l2]), axis=0)[0]
 
 
 def _std(x, mask):
