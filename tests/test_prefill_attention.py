@@ -558,4 +558,5 @@ def test_native_gpu_fp8_long_chunk(backend):
     got = paged_prefill_attention(q, page_table=page_table, start=start, lengths=lengths, **fp8,
                                   backend=backend, **({} if backend == "cudnn" else
                                                       dict(interpret=False)))
-    assert_fp8_matches(got, args, jnp.bfloat16)
+    # cuDNN takes the rows dequantized to q's dtype: that rounding of K is its reference
+    assert_fp8_matches(got, args, jnp.bfloat16, rounded_k=backend == "cudnn")
