@@ -44,7 +44,7 @@ def out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
+def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: str) -> dict:
     """One (context, method) in this process -> its row."""
     import jax
     import jax.numpy as jnp
@@ -70,11 +70,13 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
     prompt = context - NEW_TOKENS
     # generate pads the prompt to its length bucket: the cache it allocates holds that
     capacity = sparsejax.bucket_length(prompt) + NEW_TOKENS - 1
-    row_bytes = kv.kv_bytes(config, 1, capacity, page_size=plan.page_size, dtype=jnp.bfloat16)
+    kv_dtype = None if kv_dtype == "bf16" else kv_dtype   # None: the model's dtype
+    row_bytes = kv.kv_bytes(config, 1, capacity, page_size=plan.page_size, dtype=jnp.bfloat16,
+                            kv_dtype=kv_dtype)
     arithmetic = (limit_bytes - weights) // row_bytes
     t = time.time()
     answer = sparsejax.max_batch(config, capacity, dtype=jnp.bfloat16, method=m,
-                                 free_bytes=free)
+                                 free_bytes=free, kv_dtype=kv_dtype)
     max_batch_s = time.time() - t
     rng = np.random.default_rng(0)
     attempts = []
@@ -87,7 +89,7 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
         error = None
         try:
             out = sparsejax.generate(model, ids, max_new_tokens=NEW_TOKENS, method=m,
-                                     eos_token_id=())
+                                     eos_token_id=(), kv_dtype=kv_dtype)
             jax.block_until_ready(out.tokens)
             result = "ran"
         except ValueError as e:
@@ -117,10 +119,11 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool) -> dict:
         ran += 1
     stats = device.memory_stats() or {}
     cache = 0 if ran is None else kv.kv_bytes(config, ran, capacity, page_size=plan.page_size,
-                                              dtype=jnp.bfloat16)
+                                              dtype=jnp.bfloat16, kv_dtype=kv_dtype)
     peak = stats.get("peak_bytes_in_use")
     target = weights + 1.05 * cache + 3 * GIB
-    return dict(context=context, method=method, device=device.device_kind,
+    return dict(context=context, method=method, kv_dtype=kv_dtype or "bf16",
+                device=device.device_kind,
                 jax_version=jax.__version__, largest_batch=ran, max_batch=answer,
                 arithmetic_limit=int(arithmetic),
                 of_arithmetic=None if ran is None else round(ran / max(arithmetic, 1), 3),
@@ -142,11 +145,15 @@ def main():
                    help="start no cell after this many seconds (default 330 with --quick)")
     p.add_argument("--cell-timeout-s", type=float, default=None,
                    help="stop a cell's process after this many seconds (it is then skipped)")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the cache's storage (fp8: float8_e4m3fn with per-token scales)")
+    p.add_argument("--name", default="capacity", help="results/<name>.json")
     p.add_argument("--cell", help="internal: run one CONTEXT,METHOD and print its row")
     args = p.parse_args()
     if args.cell:
         context, method = args.cell.split(",")
-        row = cell(int(context), method, smoke=args.smoke, probe_up=args.probe_up)
+        row = cell(int(context), method, smoke=args.smoke, probe_up=args.probe_up,
+                   kv_dtype=args.kv_dtype)
         print("ROW " + json.dumps(row), flush=True)
         return 0
     if args.smoke:
@@ -163,6 +170,7 @@ def main():
             continue
         cmd = [sys.executable, str(Path(__file__).resolve()), "--cell", f"{context},{method}"]
         cmd += ["--smoke"] * args.smoke + ["--probe-up"] * args.probe_up
+        cmd += ["--kv-dtype", args.kv_dtype]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE,
                                   timeout=args.cell_timeout_s)
@@ -208,10 +216,10 @@ def write(rows, skipped, t0, args) -> dict:
                rows=rows, skipped=skipped, seconds=round(time.time() - t0, 1))
     if args.smoke:
         return doc
-    path = HERE / "results" / "capacity.json"
+    path = HERE / "results" / f"{args.name}.json"
     path.write_text(json.dumps(doc, indent=1))
     if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "capacity.json").write_text(json.dumps(doc, indent=1))
+        (Path(os.environ["OUT"]) / path.name).write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}", flush=True)
     return doc
 

@@ -13,6 +13,7 @@
 #          memory analysis and cache-sized copies, compiled from shapes, a few minutes),
 #          compile (benchmarks/bench_compile.py: generate's and the decode step's compile
 #          seconds and memory analysis from shapes; COMPILE_ARGS= adds flags),
+#          fp8 (benchmarks/bench_fp8.py: the kernels on an fp8 cache beside bf16),
 #          capacity (the largest batch generate runs per context and method, --quick by
 #          default: about 6 minutes; CAPACITY_ARGS= replaces the flags), peer-capacity
 #          (jax-llm-examples' Llama 3 decode_step at the same shapes; PEER_LLAMA3= its llama3/
@@ -56,10 +57,16 @@ export_fidelity_env() {
 # On a 4-GPU host, the one- and two-GPU cells at once on disjoint GPUs (tp-a), and the
 # four-GPU cells (tp-b), each in one device call; `bench_tensor_parallel.py --merge` joins the
 # files they leave in $OUT.
+# TP_SIDE="step ..." runs those one-GPU steps on the fourth GPU meanwhile (results in $OUT/side).
 tp_disjoint() {
   local bench="$PY benchmarks/bench_tensor_parallel.py"
   CUDA_VISIBLE_DEVICES=0,1 $bench --parts scaling,delta --tps 2 --name tp2 >"$OUT/tp2.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=2 $bench --parts scaling,capacity --tps 1 --name tp1 >"$OUT/tp1.log" 2>&1 &
+  if [ -n "${TP_SIDE:-}" ]; then
+    mkdir -p "$OUT/side"
+    (export CUDA_VISIBLE_DEVICES=3 OUT="$OUT/side" LOG="$OUT/side/device.log"
+     for s in $TP_SIDE; do run_step "$s"; done) >"$OUT/side.log" 2>&1 &
+  fi
   local failed=0
   for job in $(jobs -p); do wait "$job" || failed=1; done
   tail -n 40 "$OUT"/tp*.log
@@ -105,16 +112,15 @@ calibration() (  # a subshell, as fidelity
   done
 )
 
-steps=("$@")
-[ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse prefill matrix)
-status=0
-for s in "${steps[@]}"; do
+# One step: its output to $LOG, its exit status returned, its tail printed.
+run_step() {
+  local s=$1 start rc cmd
   start=$(date +%s)
   case $s in
     tests)  cmd=($PY -m pytest -q -p no:cacheprovider --gpu -n 8 ${TESTS:-tests/test_decode_attention.py
                  tests/test_sparse_attention.py tests/test_topk.py tests/test_prefill_attention.py}) ;;
     topk)   cmd=($PY benchmarks/bench_topk.py --sweep-seconds ${TOPK_SWEEP_S:-300}) ;;
-    matrix) cmd=($PY benchmarks/bench_decode_matrix.py) ;;
+    matrix) cmd=($PY benchmarks/bench_decode_matrix.py ${MATRIX_ARGS:-}) ;;
     profile) cmd=($PY benchmarks/profile_step.py) ;;
     decode) cmd=($PY benchmarks/bench_decode_attention.py) ;;
     sparse) cmd=($PY benchmarks/bench_sparse_attention.py) ;;
@@ -123,28 +129,36 @@ for s in "${steps[@]}"; do
     selecting) cmd=($PY benchmarks/bench_selecting_layers.py ${SELECTING_ARGS:-}) ;;
     tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling,capacity}) ;;
     tp-a)   cmd=(tp_disjoint) ;;
-    tp-b)   cmd=($PY benchmarks/bench_tensor_parallel.py --parts delta,scaling,capacity --tps 4
+    tp-b)   cmd=($PY benchmarks/bench_tensor_parallel.py --parts scaling,delta,capacity --tps 4
                  --name tp4) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
-    memory) cmd=($PY benchmarks/memory_probe.py) ;;
+    memory) cmd=($PY benchmarks/memory_probe.py ${MEMORY_ARGS:-}) ;;
     compile) cmd=($PY benchmarks/bench_compile.py ${COMPILE_ARGS:-}) ;;
     capacity) cmd=($PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
+    fp8)    cmd=($PY benchmarks/bench_fp8.py) ;;
     peer-capacity) cmd=($PY benchmarks/peers/jax_llm_examples_capacity.py
                         ${PEER_LLAMA3:-build/jax-llm-examples/llama3} --json "$OUT/peer_capacity.json") ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;
     # SmolLM2's table (benchmarks/fidelity_real.py): the GGUF from $SPARSEJAX_REAL_MODEL
     fidelity-real) cmd=($PY benchmarks/fidelity_real.py ${FIDELITY_REAL_ARGS:-}) ;;
-    *) echo "unknown step $s"; exit 2 ;;
+    *) echo "unknown step $s"; return 2 ;;
   esac
   echo "== $s: ${cmd[*]}"
   echo "== $s" >>"$LOG"
   "${cmd[@]}" >"$OUT/step.tmp" 2>&1
   rc=$?
   cat "$OUT/step.tmp" >>"$LOG"
-  [ $rc -eq 0 ] || status=$rc
   echo "== $s: exit $rc in $(( $(date +%s) - start )) s"
   tail -n 30 "$OUT/step.tmp"
   rm -f "$OUT/step.tmp"
+  return $rc
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] || [ "${steps[0]}" = all ] && steps=(tests topk decode sparse prefill matrix)
+status=0
+for s in "${steps[@]}"; do
+  run_step "$s" || status=$?
 done
 exit $status
