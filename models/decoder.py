@@ -85,25 +85,30 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: flo
 
 
 def fuse_layer(lp: Params) -> Params:
-    """One layer's separate q/k/v and gate/up weights -> the fused per-layer form."""
+    """One layer's separate q/k/v and gate/up weights -> the fused per-layer form. Host
+    (numpy) weights are fused on the host: a checkpoint's layers then reach the device as
+    the buffers they stay in, without pieces freed between them."""
     lp = dict(lp)
+    xp = np if all(isinstance(x, np.ndarray) for x in lp.values()) else jnp
     if "wq" in lp:
-        lp["wqkv"] = jnp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=1)
+        lp["wqkv"] = xp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=1)
     if "bq" in lp:
-        lp["bqkv"] = jnp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=0)
+        lp["bqkv"] = xp.concatenate([lp.pop("bq"), lp.pop("bk"), lp.pop("bv")], axis=0)
     if "w_gate" in lp:
-        lp["w_gate_up"] = jnp.stack([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
+        lp["w_gate_up"] = xp.stack([lp.pop("w_gate"), lp.pop("w_up")], axis=1)
     return lp
 
 
 def split_layer(lp: Params, config: ModelConfig) -> Params:
-    """The inverse of `fuse_layer` (a layer already split is returned as it is)."""
+    """The inverse of `fuse_layer` (a layer already split is returned as it is; host weights
+    are split on the host)."""
     lp = dict(lp)
+    xp = np if all(isinstance(x, np.ndarray) for x in lp.values()) else jnp
     cuts = [config.num_heads, config.num_heads + config.num_kv_heads]
     if "wqkv" in lp:
-        lp["wq"], lp["wk"], lp["wv"] = jnp.split(lp.pop("wqkv"), cuts, axis=1)
+        lp["wq"], lp["wk"], lp["wv"] = xp.split(lp.pop("wqkv"), cuts, axis=1)
     if "bqkv" in lp:
-        lp["bq"], lp["bk"], lp["bv"] = jnp.split(lp.pop("bqkv"), cuts, axis=0)
+        lp["bq"], lp["bk"], lp["bv"] = xp.split(lp.pop("bqkv"), cuts, axis=0)
     if "w_gate_up" in lp:
         gate_up = lp.pop("w_gate_up")
         lp["w_gate"], lp["w_up"] = gate_up[:, 0], gate_up[:, 1]

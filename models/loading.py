@@ -144,7 +144,7 @@ def _open(file: Path):
 
 
 def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
-                check_finite: bool = True, allow_outside: bool = False) -> Params:
+                check_finite: bool = True, allow_outside: bool = False, put=None) -> Params:
     """Params of the checkpoint at `path` in `dtype` (a float dtype). Refuses non-float
     tensors and, with `check_finite`, names the first tensor holding NaN or inf (in `dtype`).
     Reads only regular files inside `path` unless `allow_outside` (see `from_pretrained`)."""
@@ -163,7 +163,7 @@ def load_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16, *,
         return opened[f].get_tensor(name), str(f)
 
     return params_from_tensors(get, files, config, dtype, source=str(path),
-                               check_finite=check_finite)
+                               check_finite=check_finite, put=put)
 
 
 def _check_float_dtype(dtype) -> None:
@@ -173,10 +173,13 @@ def _check_float_dtype(dtype) -> None:
 
 
 def params_from_tensors(get: Callable[[str], tuple[np.ndarray, str]], names, config: ModelConfig,
-                        dtype=jnp.bfloat16, *, source: str, check_finite: bool = True) -> Params:
+                        dtype=jnp.bfloat16, *, source: str, check_finite: bool = True,
+                        put=None) -> Params:
     """Params from HF-named tensors: `get(name) -> (array, where it was read)` for each of
     `names` (the checkpoint's tensor names), mapped onto the per-layer layout with every shape
-    checked against `config`. `source` names the checkpoint in errors."""
+    checked against `config`. `source` names the checkpoint in errors. `put(weights, layer)`
+    moves one layer's (or the top-level) host weights to the device (`_device_put`)."""
+    put = put or _device_put(None, config)
     _check_float_dtype(dtype)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
     shapes = param_shapes(config)
@@ -204,16 +207,16 @@ def params_from_tensors(get: Callable[[str], tuple[np.ndarray, str]], names, con
                              f"in {np_dtype.name}")
         return w if fn is None else fn(w)
 
-    # The per-layer layout (see models.decoder): each weight is its own device buffer.
+    # The per-layer layout (see models.decoder): each weight is its own device buffer, fused
+    # on the host and put on the device once.
     params: Params = {"layers": tuple(
-        fuse_layer({key: jnp.asarray(read(layout[key][0].format(i=i), *layout[key][1:],
-                                          shape[1:]))
-                    for key, shape in shapes["layers"].items()})
+        put(fuse_layer({key: read(layout[key][0].format(i=i), *layout[key][1:], shape[1:])
+                        for key, shape in shapes["layers"].items()}), layer=True)
         for i in range(config.num_layers))}
     for key in ("embed", "final_norm", "lm_head"):
         if key in shapes:
             hf_name, to_ours, to_hf = _TOP[key]
-            params[key] = jnp.asarray(read(hf_name, to_ours, to_hf, shapes[key]))
+            params.update(put({key: read(hf_name, to_ours, to_hf, shapes[key])}))
     extra = [n for n in names if n not in used and not n.endswith(_IGNORED_SUFFIXES)
              and not (n == "lm_head.weight" and config.tie_word_embeddings)]
     if extra:
@@ -313,7 +316,8 @@ def gguf_file(path: Path) -> Path | None:
 
 
 def from_pretrained(path_or_id: str | Path, *, dtype="auto",
-                    check_finite: bool = True, allow_outside: bool = False) -> Model:
+                    check_finite: bool = True, allow_outside: bool = False,
+                    mesh=None) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
     a `Model`. The EOS and pad tokens of `generation_config.json`, when there is one, override
     config.json's, as in transformers' `generate`.
@@ -337,7 +341,7 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
         config, tensors = gguf.read_checkpoint(file)
         return Model(config=config, params=params_from_tensors(
             lambda name: (tensors[name], str(file)), tensors, config, dtype, source=str(file),
-            check_finite=check_finite))
+            check_finite=check_finite, put=_device_put(mesh, config)), mesh=mesh)
     if not ((path / "config.json").exists() or (path / "config.json").is_symlink()):
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(_checkpoint_file(path, "config.json",
@@ -353,7 +357,20 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
                                      else pad)
     return Model(config=config, params=load_params(path, config, resolve_dtype(dtype, path),
                                                    check_finite=check_finite,
-                                                   allow_outside=allow_outside))
+                                                   allow_outside=allow_outside,
+                                                   put=_device_put(mesh, config)),
+                 mesh=mesh)
+
+
+def _device_put(mesh, config: ModelConfig):
+    """put(host weights, layer) -> device weights: on the default device, or placed from the
+    host on `mesh` as `sparsejax.shard` lays them out."""
+    if mesh is None:
+        return lambda weights, layer=False: {k: jnp.asarray(w) for k, w in weights.items()}
+    from sparsejax import sharding
+
+    sharding.check_mesh(mesh, config)
+    return lambda weights, layer=False: sharding.place(weights, config, mesh, layer=layer)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -131,9 +131,7 @@ def cmd_generate(args) -> int:
     mesh = sharding.tensor_parallel_mesh(args.tp)
     model_dir = args.model or sparsejax.embedded_model_path()
     model = sparsejax.from_pretrained(model_dir, dtype={"auto": "auto", "bf16": jnp.bfloat16,
-                                                        "f32": jnp.float32}[args.dtype])
-    if mesh is not None:
-        model = sparsejax.shard(model, mesh)
+                                                        "f32": jnp.float32}[args.dtype], mesh=mesh)
     tok = sparsejax.load_tokenizer(model_dir)
     ids = np.asarray([tok(args.prompt)["input_ids"]], np.int32)
     method = method_from_args(args, model, model_dir)

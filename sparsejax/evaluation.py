@@ -560,9 +560,7 @@ def run(args) -> int:
     chosen = task_set(tokenizer, tasks, args.context)     # a wrong --task fails before loading
     vocab = tokenizer.get_vocab() if isinstance(chosen, SyntheticTasks) else None
     model = sparsejax.from_pretrained(model_dir, dtype=jnp.float32 if args.dtype == "f32"
-                                      else jnp.bfloat16)
-    if mesh is not None:
-        model = sparsejax.shard(model, mesh)
+                                      else jnp.bfloat16, mesh=mesh)
     doc = evaluate(model, tasks=tasks, context=args.context, samples=args.samples,
                    method_names=names, ratios=ratios, seed=args.seed,
                    batch=args.batch, model_dir=model_dir, vocab=vocab, tokenizer=tokenizer,

@@ -175,14 +175,31 @@ def _unfuse_qkv(lp: dict, config: ModelConfig) -> dict:
 
 def shard(model: Model, mesh: Mesh) -> Model:
     """`model` with its parameters placed on `mesh` (Megatron layout, see `LAYER_AXES`) and the
-    mesh recorded on it, so that attention runs per device. No copy if already placed."""
+    mesh recorded on it, so that attention runs per device. No copy if already placed.
+    (`from_pretrained(..., mesh=mesh)` places a checkpoint's weights from the host instead:
+    no unsharded copy on the first device, whose freed space would sit below its shards.)"""
     check_mesh(mesh, model.config)
     params = model.params
-    if model_size(mesh) > 1 and not isinstance(params["layers"], dict):
-        params = {**params, "layers": tuple(_unfuse_qkv(lp, model.config)
-                                            for lp in params["layers"])}
-    specs = param_specs(params, model.config, mesh)
-    return model.replace(params=jax.device_put(params, _named(specs, mesh)), mesh=mesh)
+    if isinstance(params["layers"], dict):     # stacked
+        specs = param_specs(params, model.config, mesh)
+        return model.replace(params=jax.device_put(params, _named(specs, mesh)), mesh=mesh)
+    top = {name: x for name, x in params.items() if name != "layers"}
+    return model.replace(params={**place(top, model.config, mesh),
+                                 "layers": tuple(place(lp, model.config, mesh, layer=True)
+                                                 for lp in params["layers"])}, mesh=mesh)
+
+
+def place(weights: dict, config: ModelConfig, mesh: Mesh, *, layer: bool = False) -> dict:
+    """One layer's weights (`layer`) or the top-level ones (embedding, final norm, LM head),
+    on the host or a device, placed on `mesh` as `shard` lays them out."""
+    rules = _rules(config, mesh)
+    if not layer:
+        specs = {name: partition_spec(TOP_AXES[name], rules) for name in weights}
+    else:
+        if model_size(mesh) > 1:
+            weights = _unfuse_qkv(weights, config)
+        specs = _specs(weights, LAYER_AXES, rules)
+    return jax.device_put(weights, _named(specs, mesh))
 
 
 def batch_spec(mesh) -> P:

@@ -273,6 +273,19 @@ def layout_checks(results: dict) -> None:
             ("final_norm", params.params["final_norm"])] +
            list(params.params["layers"][1].items())},
     }
+    with tempfile.TemporaryDirectory() as tmp:   # a checkpoint loaded straight onto the mesh
+        sparsejax.save_pretrained(m, tmp)
+        loaded = sparsejax.from_pretrained(tmp, dtype=jnp.float32, mesh=msh)
+        placed = sparsejax.shard(sparsejax.from_pretrained(tmp, dtype=jnp.float32), msh)
+    pairs = list(zip(jax.tree.leaves_with_path(loaded.params),
+                     jax.tree.leaves_with_path(placed.params)))
+    results["layout/from_pretrained_mesh"] = dict(
+        same_tree=jax.tree.structure(loaded.params) == jax.tree.structure(placed.params),
+        max_abs_diff=float(max(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+                               for (_, a), (_, b) in pairs)),
+        different_specs=[jax.tree_util.keystr(p) for (p, a), (_, b) in pairs
+                         if spec(a) != spec(b)],
+        mesh_recorded=loaded.mesh is msh)
     results["layout/kv4_wk_spec"] = spec(sparsejax.shard(model(4), msh).params["layers"][0]["wk"])
     results["layout/stacked_wq_spec"] = spec(
         sparsejax.shard(model(4, stacked=True), msh).params["layers"]["wq"])

@@ -181,3 +181,26 @@ def test_projection_of_one_row_is_the_einsum(spec, x_shape, w_shape, one_row):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     padded = "pad" in str(jax.make_jaxpr(lambda a: decoder._dot(spec, a, w))(x))
     assert padded == one_row
+
+
+def test_fuse_layer_on_the_host_equals_on_the_device():
+    """Checkpoint layers are fused on the host (numpy in, numpy out: no device buffers freed
+    between the weights) into exactly what the device fusion gives."""
+    from sparsejax.models import fuse_layer, split_layer
+
+    config = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, num_layers=1,
+                         num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                         qkv_bias=True)
+    rng = np.random.default_rng(0)
+    parts = {"wq": (32, 4, 8), "wk": (32, 2, 8), "wv": (32, 2, 8), "bq": (4, 8), "bk": (2, 8),
+             "bv": (2, 8), "w_gate": (32, 48), "w_up": (32, 48)}
+    host = {k: rng.standard_normal(s).astype(np.float32) for k, s in parts.items()}
+    on_host = fuse_layer(host)
+    on_device = fuse_layer({k: jnp.asarray(v) for k, v in host.items()})
+    assert set(on_host) == set(on_device) == {"wqkv", "bqkv", "w_gate_up"}
+    for key, w in on_host.items():
+        assert isinstance(w, np.ndarray), key
+        np.testing.assert_array_equal(w, np.asarray(on_device[key]))
+    back = split_layer({k: jnp.asarray(v) for k, v in on_host.items()}, config)
+    for key, w in host.items():
+        np.testing.assert_array_equal(np.asarray(back[key]), w)

@@ -123,6 +123,13 @@ def test_sharded_step_matches_unsharded(results):
     assert results["layout/prior_o_est_max_abs_diff"] < 1e-6
 
 
+def test_from_pretrained_onto_a_mesh_equals_shard(results):
+    """from_pretrained(mesh=) places each weight from the host as shard() lays it out."""
+    got = results["layout/from_pretrained_mesh"]
+    assert got == dict(same_tree=True, max_abs_diff=0.0, different_specs=[],
+                       mesh_recorded=True), got
+
+
 def test_layout_table(results):
     s = results["layout/specs"]
     want = {
