@@ -26,6 +26,7 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -206,8 +207,25 @@ def out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
+# Seconds a cell may take. A device that runs out of memory in a sharded step at run time
+# leaves the others waiting in its collective for good; past this the process exits (the rows
+# measured so far are already written) instead of holding the GPUs until the call's limit.
+CELL_TIMEOUT_S = 300.0
+
+
+def _abandon(part, where):
+    print(f"{part} {where}: no result in {CELL_TIMEOUT_S:.0f} s (a device out of memory mid-step "
+          "leaves the others in a collective); exiting with the rows measured so far",
+          flush=True)
+    os._exit(3)
+
+
 def measured(part, skipped, where, fn):
-    """fn() or, when the cell runs out of GPU memory, None with the cell listed as skipped."""
+    """fn() or, when the cell runs out of GPU memory, None with the cell listed as skipped;
+    a cell that hangs past CELL_TIMEOUT_S ends the process."""
+    watchdog = threading.Timer(CELL_TIMEOUT_S, _abandon, (part, where))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - only memory exhaustion is a skip
@@ -216,6 +234,8 @@ def measured(part, skipped, where, fn):
         skipped.append(dict(part=part, **where, why=str(e).splitlines()[0][:300]))
         print(f"{part} {where}: out of memory", flush=True)
         return None
+    finally:
+        watchdog.cancel()
 
 
 def unavailable(config, batch, context, tp) -> str | None:
@@ -260,7 +280,7 @@ def part_delta(cfg, rows, skipped, tps):
             skipped.append(dict(part="delta", **where, why=why))
             continue
         mesh = mesh_of(tp)
-        model = place(S.random_model(model_name), mesh)
+        model = S.random_model(model_name, mesh=mesh)
         times = measured("delta", skipped, where,
                          lambda: step_times(model, METHODS, batch, contexts, mesh, cfg["steps"]))
         model = None   # the placed weights go before the next setting
@@ -290,7 +310,7 @@ def part_scaling(cfg, rows, skipped, tps):
     config = S.config(model_name)
     for tp in [t for t in all_tps if t in tps]:
         mesh = mesh_of(tp if tp > 1 else None)
-        model = place(S.random_model(model_name), mesh)   # the unplaced copy is freed
+        model = S.random_model(model_name, mesh=mesh)   # placed a layer at a time
         for batch in batches:
             where = dict(model=model_name, tp=tp, batch=batch)
             why = unavailable(config, batch, context, tp)
@@ -352,7 +372,7 @@ def part_capacity(cfg, rows, skipped, tps):
     config = S.config(model_name)
     for tp in [t for t in all_tps if t in tps and t <= jax.device_count()]:
         mesh = mesh_of(tp if tp > 1 else None)
-        model = place(S.random_model(model_name), mesh)
+        model = S.random_model(model_name, mesh=mesh)
         shards = min(tp, config.num_kv_heads)
         row = kv.kv_bytes(config, 1, context + EXTRA_STEPS, dtype=jnp.bfloat16) / shards
         free = pretend_free or free_bytes(jax.devices()[:tp])
@@ -428,6 +448,7 @@ def plot(doc, path):
 
 
 def main(argv=None):
+    global CELL_TIMEOUT_S  # noqa: PLW0603 - the watchdog of measured() reads it
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, 8 host devices, tiny shapes")
     parser.add_argument("--parts", default="one_gpu,delta,scaling,capacity")
@@ -435,9 +456,12 @@ def main(argv=None):
                         help="tensor-parallel sizes to run (parts on disjoint GPUs can run at "
                              "once: CUDA_VISIBLE_DEVICES=0,1 ... --tps 2 --name tp2 &)")
     parser.add_argument("--name", default="tensor_parallel", help="results/<name>.json")
+    parser.add_argument("--cell-timeout-s", type=float, default=CELL_TIMEOUT_S,
+                        help="end the process when a cell takes longer (a hung collective)")
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="no run: join these results files into results/tensor_parallel.json")
     args = parser.parse_args(argv)
+    CELL_TIMEOUT_S = args.cell_timeout_s
     if args.merge:
         return merge([Path(f) for f in args.merge])
     if not (args.smoke or jax.default_backend() == "gpu"):

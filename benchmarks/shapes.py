@@ -56,29 +56,49 @@ def config(name: str):
     return ModelConfig(**MODELS[name])
 
 
-def random_model(name: str, dtype=jnp.bfloat16, seed: int = 0, stacked: bool = False):
+@functools.partial(jax.jit, static_argnames=("shapes", "dtype", "fuse"))
+def _draw(key, *, shapes: tuple, dtype, fuse: bool):
+    """{name: weight} for (name, shape) pairs: norms 1, the rest N(0, 0.02) in `dtype`; `fuse`:
+    one layer's weights in the fused per-layer form (`fuse_layer`)."""
+    from sparsejax.models import fuse_layer
+
+    keys = jax.random.split(key, len(shapes))
+    out = {name: jnp.ones(shape, dtype) if name.endswith("norm")
+           else 0.02 * jax.random.normal(k, shape, dtype) for (name, shape), k in zip(shapes, keys)}
+    return fuse_layer(out) if fuse else out
+
+
+def random_model(name: str, dtype=jnp.bfloat16, seed: int = 0, stacked: bool = False,
+                 mesh=None):
     """A model of these shapes with N(0, 0.02) weights drawn directly in `dtype`, in the
-    per-layer layout `from_pretrained` returns (or stacked, as training holds it)."""
+    per-layer layout `from_pretrained` returns (or stacked, as training holds it); with a
+    `mesh`, each layer placed on it as it is drawn (`sparsejax.shard`'s layout).
+
+    Drawn a layer at a time straight into that layout: each draw's temporaries are one
+    layer's, and no stacked copy is freed beneath the weights. (One draw of the whole model
+    left a free block the size of its temporaries below the weights in the GPU allocator's
+    pool, so a cache that fills the rest of the GPU found no contiguous block for its K or V.)"""
     import sparsejax
-    from sparsejax.models import param_shapes, unstack_layers
+    from sparsejax import sharding
+    from sparsejax.models import param_shapes
 
     c = config(name)
+    put = ((lambda w, layer=False: w) if mesh is None
+           else (lambda w, layer=False: sharding.place(w, c, mesh, layer=layer)))
     shapes = param_shapes(c)
-    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(jax.random.key(seed), len(flat))
-
-    @jax.jit
-    def make(keys):
-        out = []
-        for (path, shape), k in zip(flat, keys):
-            if path[-1].key.endswith("norm"):
-                out.append(jnp.ones(shape, dtype))
-            else:
-                out.append(0.02 * jax.random.normal(k, shape, dtype))
-        return out
-
-    params = jax.tree.unflatten(treedef, make(keys))
-    return sparsejax.Model(c, params if stacked else unstack_layers(params))
+    key = jax.random.key(seed)
+    top = tuple((k, v) for k, v in shapes.items() if k != "layers")
+    params = put(_draw(jax.random.fold_in(key, c.num_layers), shapes=top, dtype=dtype,
+                       fuse=False))
+    if stacked:
+        params["layers"] = _draw(key, shapes=tuple(shapes["layers"].items()), dtype=dtype,
+                                 fuse=False)
+        model = sparsejax.Model(c, params)
+        return model if mesh is None else sparsejax.shard(model, mesh)
+    layer = tuple((k, v[1:]) for k, v in shapes["layers"].items())
+    params["layers"] = tuple(put(_draw(jax.random.fold_in(key, i), shapes=layer, dtype=dtype,
+                                       fuse=True), layer=True) for i in range(c.num_layers))
+    return sparsejax.Model(c, params, mesh=mesh)
 
 
 def weight_bytes(model) -> int:
