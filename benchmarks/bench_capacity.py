@@ -65,6 +65,7 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: st
     else:
         stats = device.memory_stats()
         free, limit_bytes = stats["bytes_limit"] - stats["bytes_in_use"], stats["bytes_limit"]
+    loaded_stats = dict(device.memory_stats() or {})   # its largest free block, where reported
     m = S.method(method, config, context)
     plan = sparsejax.plan.as_plan(m, config, None)
     prompt = context - NEW_TOKENS
@@ -131,7 +132,8 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: st
                 weight_bytes=weights, cache_bytes=cache, peak_bytes=peak, target_bytes=int(target),
                 peak_within_target=None if peak is None or ran is None else peak <= target,
                 free_bytes_at_start=int(free), max_batch_seconds=round(max_batch_s, 1),
-                attempts=attempts, seconds=round(time.time() - t0, 1))
+                attempts=attempts, memory_stats_after_weights=loaded_stats,
+                seconds=round(time.time() - t0, 1))
 
 
 def main():

@@ -121,7 +121,8 @@ def run_cases(name: str, cases: list[tuple[int, int]], methods: list[str]) -> li
 
     def stats():
         m = device.memory_stats() or {}
-        return dict(in_use=m.get("bytes_in_use", 0), peak=m.get("peak_bytes_in_use", 0))
+        return dict(in_use=m.get("bytes_in_use", 0), peak=m.get("peak_bytes_in_use", 0),
+                    largest_free_block=m.get("largest_free_block_bytes"))
 
     model = S.random_model(name)
     cfg = model.config
