@@ -143,17 +143,6 @@ def _specs(tree, table: dict, rules: dict, lead: tuple = ()):
         lambda path, _: partition_spec(lead + table[leaf_name(path)], rules), tree)
 
 
-def param_specs(params: dict, config: ModelConfig, mesh) -> dict:
-    rules = _rules(config, mesh)
-    layers = params["layers"]
-    specs = {name: partition_spec(TOP_AXES[name], rules) for name in params if name != "layers"}
-    if isinstance(layers, dict):       # stacked: a leading layer axis
-        specs["layers"] = _specs(layers, LAYER_AXES, rules, lead=(None,))
-    else:
-        specs["layers"] = tuple(_specs(lp, LAYER_AXES, rules) for lp in layers)
-    return specs
-
-
 def cache_specs(cache: PagedKVCache, config: ModelConfig, mesh) -> PagedKVCache:
     return _specs(cache, CACHE_AXES, _rules(config, mesh))
 
@@ -179,14 +168,14 @@ def shard(model: Model, mesh: Mesh) -> Model:
     (`from_pretrained(..., mesh=mesh)` places a checkpoint's weights from the host instead:
     no unsharded copy on the first device, whose freed space would sit below its shards.)"""
     check_mesh(mesh, model.config)
-    params = model.params
-    if isinstance(params["layers"], dict):     # stacked
-        specs = param_specs(params, model.config, mesh)
-        return model.replace(params=jax.device_put(params, _named(specs, mesh)), mesh=mesh)
-    top = {name: x for name, x in params.items() if name != "layers"}
-    return model.replace(params={**place(top, model.config, mesh),
-                                 "layers": tuple(place(lp, model.config, mesh, layer=True)
-                                                 for lp in params["layers"])}, mesh=mesh)
+    c, layers = model.config, model.params["layers"]
+    top = place({name: x for name, x in model.params.items() if name != "layers"}, c, mesh)
+    if isinstance(layers, dict):       # stacked: a leading layer axis
+        specs = _specs(layers, LAYER_AXES, _rules(c, mesh), lead=(None,))
+        layers = jax.device_put(layers, _named(specs, mesh))
+    else:
+        layers = tuple(place(lp, c, mesh, layer=True) for lp in layers)
+    return model.replace(params={**top, "layers": layers}, mesh=mesh)
 
 
 def place(weights: dict, config: ModelConfig, mesh: Mesh, *, layer: bool = False) -> dict:
