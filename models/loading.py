@@ -178,8 +178,8 @@ def params_from_tensors(get: Callable[[str], tuple[np.ndarray, str]], names, con
     """Params from HF-named tensors: `get(name) -> (array, where it was read)` for each of
     `names` (the checkpoint's tensor names), mapped onto the per-layer layout with every shape
     checked against `config`. `source` names the checkpoint in errors. `put(weights, layer)`
-    moves one layer's (or the top-level) host weights to the device (`_device_put`)."""
-    put = put or _device_put(None, config)
+    moves one layer's (or the top-level) host weights to the device (`default_placement`)."""
+    put = put or default_placement(config)
     _check_float_dtype(dtype)
     np_dtype = np.dtype(ml_dtypes.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
     shapes = param_shapes(config)
@@ -317,7 +317,7 @@ def gguf_file(path: Path) -> Path | None:
 
 def from_pretrained(path_or_id: str | Path, *, dtype="auto",
                     check_finite: bool = True, allow_outside: bool = False,
-                    mesh=None) -> Model:
+                    placement=None) -> Model:
     """Load a Hugging Face checkpoint (a directory or a Hub id: config.json + safetensors) into
     a `Model`. The EOS and pad tokens of `generation_config.json`, when there is one, override
     config.json's, as in transformers' `generate`.
@@ -332,6 +332,9 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
     allow_outside: read files that resolve outside the checkpoint directory (a shard index
     naming ../other/x.safetensors, a symlink to elsewhere); refused by default. Only regular
     files are read, and JSON files of at most 16 MiB.
+    placement: `placement(config)` -> `put(weights, layer=False)`, which moves one layer's
+    (or the top-level) host weights to the devices; default: each to the default device.
+    (`sparsejax.from_pretrained(..., mesh=)` passes one that places them on a mesh.)
     """
     path = checkpoint_dir(path_or_id)
     if (file := gguf_file(path)) is not None:
@@ -341,7 +344,7 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
         config, tensors = gguf.read_checkpoint(file)
         return Model(config=config, params=params_from_tensors(
             lambda name: (tensors[name], str(file)), tensors, config, dtype, source=str(file),
-            check_finite=check_finite, put=_device_put(mesh, config)), mesh=mesh)
+            check_finite=check_finite, put=(placement or default_placement)(config)))
     if not ((path / "config.json").exists() or (path / "config.json").is_symlink()):
         raise ValueError(f"{path} has no config.json")
     config = ModelConfig.from_json(_checkpoint_file(path, "config.json",
@@ -358,19 +361,12 @@ def from_pretrained(path_or_id: str | Path, *, dtype="auto",
     return Model(config=config, params=load_params(path, config, resolve_dtype(dtype, path),
                                                    check_finite=check_finite,
                                                    allow_outside=allow_outside,
-                                                   put=_device_put(mesh, config)),
-                 mesh=mesh)
+                                                   put=(placement or default_placement)(config)))
 
 
-def _device_put(mesh, config: ModelConfig):
-    """put(host weights, layer) -> device weights: on the default device, or placed from the
-    host on `mesh` as `sparsejax.shard` lays them out."""
-    if mesh is None:
-        return lambda weights, layer=False: {k: jnp.asarray(w) for k, w in weights.items()}
-    from sparsejax import sharding
-
-    sharding.check_mesh(mesh, config)
-    return lambda weights, layer=False: sharding.place(weights, config, mesh, layer=layer)
+def default_placement(config: ModelConfig):
+    """put(host weights, layer) -> the same weights on the default device."""
+    return lambda weights, layer=False: {k: jnp.asarray(w) for k, w in weights.items()}
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

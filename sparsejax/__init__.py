@@ -25,10 +25,10 @@ from sparsejax.generate import (GenerateOutput, Sampling, bucket_length, compile
                                 decode_step, enable_compilation_cache, generate, max_batch, prefill,
                                 sample)
 from sparsejax.llm import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
-from sparsejax.models import (Model, ModelConfig, from_pretrained, load_tokenizer, logits,
-                              real_model_path, save_pretrained)
+from sparsejax.models import (Model, ModelConfig, load_tokenizer, logits, real_model_path,
+                              save_pretrained)
 from sparsejax.plan import Budget, Role, Score, Selection, Selector, SparsePlan
-from sparsejax.sharding import allocate, shard
+from sparsejax.sharding import allocate, from_pretrained, shard
 
 __version__ = "0.1.0"
 

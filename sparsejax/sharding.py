@@ -29,6 +29,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 
 from sparsejax import cache
 from sparsejax.cache import PagedKVCache
+from sparsejax import models
 from sparsejax.models import Model, ModelConfig, split_layer
 
 MODEL, DATA = "model", "data"
@@ -165,8 +166,7 @@ def _unfuse_qkv(lp: dict, config: ModelConfig) -> dict:
 def shard(model: Model, mesh: Mesh) -> Model:
     """`model` with its parameters placed on `mesh` (Megatron layout, see `LAYER_AXES`) and the
     mesh recorded on it, so that attention runs per device. No copy if already placed.
-    (`from_pretrained(..., mesh=mesh)` places a checkpoint's weights from the host instead:
-    no unsharded copy on the first device, whose freed space would sit below its shards.)"""
+    (`from_pretrained(..., mesh=mesh)` places a checkpoint's weights from the host instead.)"""
     check_mesh(mesh, model.config)
     c, layers = model.config, model.params["layers"]
     top = place({name: x for name, x in model.params.items() if name != "layers"}, c, mesh)
@@ -176,6 +176,20 @@ def shard(model: Model, mesh: Mesh) -> Model:
     else:
         layers = tuple(place(lp, c, mesh, layer=True) for lp in layers)
     return model.replace(params={**top, "layers": layers}, mesh=mesh)
+
+
+def from_pretrained(path_or_id, *, mesh: Mesh | None = None, **kwargs) -> Model:
+    """`models.from_pretrained` (same arguments); with `mesh`, each weight goes from the host
+    straight to its shards, as `shard` lays them out, and the mesh is recorded on the model:
+    no unsharded copy on the first device, whose freed space would sit below its shards."""
+    if mesh is None:
+        return models.from_pretrained(path_or_id, **kwargs)
+
+    def placement(config):
+        check_mesh(mesh, config)
+        return lambda weights, layer=False: place(weights, config, mesh, layer=layer)
+
+    return models.from_pretrained(path_or_id, placement=placement, **kwargs).replace(mesh=mesh)
 
 
 def place(weights: dict, config: ModelConfig, mesh: Mesh, *, layer: bool = False) -> dict:
