@@ -59,13 +59,13 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: st
     config = model.config
     weights = S.weight_bytes(model)
     device = jax.devices()[0]
+    loaded_stats = dict(device.memory_stats() or {})   # its largest free block, where reported
     if smoke:   # a pretend device: max_batch and generate's check read this much free memory
         kv.memory_available = lambda: SMOKE_MEMORY
         free, limit_bytes = SMOKE_MEMORY, SMOKE_MEMORY + weights
     else:
-        stats = device.memory_stats()
-        free, limit_bytes = stats["bytes_limit"] - stats["bytes_in_use"], stats["bytes_limit"]
-    loaded_stats = dict(device.memory_stats() or {})   # its largest free block, where reported
+        limit_bytes = loaded_stats["bytes_limit"]
+        free = limit_bytes - loaded_stats["bytes_in_use"]
     m = S.method(method, config, context)
     plan = sparsejax.plan.as_plan(m, config, None)
     prompt = context - NEW_TOKENS

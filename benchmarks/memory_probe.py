@@ -50,12 +50,6 @@ SMOKE = dict(decode=[(4, 512), (1, 1024)], chunks=[(2, 1024, 64)],
                        (2, 256, dict(draft_tokens=3))], new_tokens=17)
 
 
-def abstract_model(cfg, dtype):
-    from sparsejax.generate import _abstract_model
-
-    return _abstract_model(cfg, dtype)
-
-
 def memory(compiled) -> dict:
     m = compiled.memory_analysis()
     return dict(argument=m.argument_size_in_bytes, output=m.output_size_in_bytes,
@@ -185,16 +179,13 @@ def main():
     args = p.parse_args()
     if args.run:
         cases = [tuple(int(v) for v in c.split("x")) for c in args.run.split(",")]
-        rows = run_cases("tiny" if args.smoke else args.model, cases, args.methods.split(","))
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], f"{args.name}.json").write_text(json.dumps(
-                dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
-                     rows=rows), indent=1))
-        return 0
+        name = "tiny" if args.smoke else args.model
+        return write(args, name, None, run_cases(name, cases, args.methods.split(",")))
     programs = set(args.programs.split(","))
     from sparsejax import cache as kv
     from sparsejax.extend import extend
-    from sparsejax.generate import _abstract_cache, _generate, _prepare, decode_step
+    from sparsejax.generate import (_abstract_cache, _abstract_model, _generate, _prepare,
+                                    decode_step)
     from sparsejax.plan import as_plan
 
     name = "tiny" if args.smoke else args.model
@@ -202,7 +193,7 @@ def main():
     if args.layers:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
     dtype = jnp.bfloat16
-    model = abstract_model(cfg, dtype)
+    model = _abstract_model(cfg, dtype)
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.params))
     decode_cases = SMOKE["decode"] if args.smoke else DECODE
     chunk_cases = SMOKE["chunks"] if args.smoke else CHUNKS
@@ -243,9 +234,17 @@ def main():
         rows.append(report("generate", compiled, batch=batch, prompt=prompt,
                            max_new_tokens=new_tokens, **{k: str(v) for k, v in kwargs.items()},
                            **sizes(batch, capacity, static["plan"].page_size)))
+    write(args, name, cfg.num_layers, rows)
+    bad = [r for r in rows if r["copies"] or not r["within_target"]]
+    print(f"{len(bad)} of {len(rows)} programs over target or with cache-sized copies")
+    return 0
+
+
+def write(args, name: str, layers: int | None, rows: list[dict]) -> int:
+    """rows -> $OUT/<name>.json (else results/), with the device, versions and date."""
     doc = dict(device=str(jax.devices()[0].device_kind), jax_version=jax.__version__,
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               model=name, layers=cfg.num_layers, rows=rows)
+               model=name, layers=layers, rows=rows)
     if args.smoke:
         return 0
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else (
@@ -253,8 +252,6 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1))
     print(f"wrote {out / args.name}.json")
-    bad = [r for r in rows if r["copies"] or not r["within_target"]]
-    print(f"{len(bad)} of {len(rows)} programs over target or with cache-sized copies")
     return 0
 
 

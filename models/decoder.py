@@ -84,12 +84,17 @@ def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: flo
 #   wqkv [H, HQ + 2 HK, D] = wq | wk | wv,  bqkv [HQ + 2 HK, D],  w_gate_up [H, 2, I]
 
 
+def _array_module(lp: Params):
+    """numpy for a layer of host weights (kept on the host), else jax.numpy."""
+    return np if all(isinstance(x, np.ndarray) for x in lp.values()) else jnp
+
+
 def fuse_layer(lp: Params) -> Params:
     """One layer's separate q/k/v and gate/up weights -> the fused per-layer form. Host
     (numpy) weights are fused on the host: a checkpoint's layers then reach the device as
     the buffers they stay in, without pieces freed between them."""
     lp = dict(lp)
-    xp = np if all(isinstance(x, np.ndarray) for x in lp.values()) else jnp
+    xp = _array_module(lp)
     if "wq" in lp:
         lp["wqkv"] = xp.concatenate([lp.pop("wq"), lp.pop("wk"), lp.pop("wv")], axis=1)
     if "bq" in lp:
@@ -103,7 +108,7 @@ def split_layer(lp: Params, config: ModelConfig) -> Params:
     """The inverse of `fuse_layer` (a layer already split is returned as it is; host weights
     are split on the host)."""
     lp = dict(lp)
-    xp = np if all(isinstance(x, np.ndarray) for x in lp.values()) else jnp
+    xp = _array_module(lp)
     cuts = [config.num_heads, config.num_heads + config.num_kv_heads]
     if "wqkv" in lp:
         lp["wq"], lp["wk"], lp["wv"] = xp.split(lp.pop("wqkv"), cuts, axis=1)
