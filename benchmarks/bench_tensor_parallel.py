@@ -22,6 +22,7 @@ Random bf16 weights and K/V (benchmarks/shapes.py); the cache is created sharded
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -34,8 +35,10 @@ if SMOKE:   # host devices must be set before JAX starts
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")   # fits() reads the limit
+# preallocated, as bench_capacity.py (one pool region per GPU); 10% left outside the pool
+# for NCCL's own buffers (at 0.92 and grown on demand, a TP=2 cell's NCCL init ran out)
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.90")   # fits() reads the limit
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -201,10 +204,12 @@ def fits(config, batch, context, tp) -> bool:
 
 
 def out_of_memory(e: Exception) -> bool:
+    """XLA's out-of-memory, or the library's refusal of a cache that does not fit."""
     if isinstance(e, CompiledTooLarge):
         return True
     text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    return ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+            or (isinstance(e, ValueError) and "rows of" in text and "fit" in text))
 
 
 # Seconds a cell may take. A device that runs out of memory in a sharded step at run time
@@ -221,8 +226,9 @@ def _abandon(part, where):
 
 
 def measured(part, skipped, where, fn):
-    """fn() or, when the cell runs out of GPU memory, None with the cell listed as skipped;
-    a cell that hangs past CELL_TIMEOUT_S ends the process."""
+    """fn() or, when the cell runs out of GPU memory (or its cache is refused as too large),
+    None with the cell listed as skipped; a cell that hangs past CELL_TIMEOUT_S ends the
+    process."""
     watchdog = threading.Timer(CELL_TIMEOUT_S, _abandon, (part, where))
     watchdog.daemon = True
     watchdog.start()
@@ -233,9 +239,10 @@ def measured(part, skipped, where, fn):
             raise
         skipped.append(dict(part=part, **where, why=str(e).splitlines()[0][:300]))
         print(f"{part} {where}: out of memory", flush=True)
-        return None
     finally:
         watchdog.cancel()
+    gc.collect()   # the failed cell's arrays sit in its traceback's frame cycle
+    return None
 
 
 def unavailable(config, batch, context, tp) -> str | None:

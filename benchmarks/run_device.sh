@@ -27,10 +27,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # JAX's allocator takes 75% of the GPU by default: a 16-row 32k Llama-8B cache (64 GiB) beside
 # the weights (15 GiB) would not fit in it
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=${XLA_PYTHON_CLIENT_PREALLOCATE:-false}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 OUT=${OUT:-$(mktemp -d)}
 PY=${PYTHON:-python3}
+# The steps that fill the card run preallocated (JAX's default: one pool region per GPU, so a
+# cache near the card's size finds one block; a pool grown region by region refused 48 GiB
+# with 60 GiB free) at their scripts' own memory fraction.
+FILL=(env -u XLA_PYTHON_CLIENT_MEM_FRACTION XLA_PYTHON_CLIENT_PREALLOCATE=true)
 
 LOG="$OUT/device.log"
 source benchmarks/device_env.sh
@@ -59,7 +63,7 @@ export_fidelity_env() {
 # files they leave in $OUT.
 # TP_SIDE="step ..." runs those one-GPU steps on the fourth GPU meanwhile (results in $OUT/side).
 tp_disjoint() {
-  local bench="$PY benchmarks/bench_tensor_parallel.py"
+  local bench="${FILL[*]} $PY benchmarks/bench_tensor_parallel.py"
   CUDA_VISIBLE_DEVICES=0,1 $bench --parts scaling,delta --tps 2 --name tp2 >"$OUT/tp2.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=2 $bench --parts scaling,capacity --tps 1 --name tp1 >"$OUT/tp1.log" 2>&1 &
   if [ -n "${TP_SIDE:-}" ]; then
@@ -127,16 +131,16 @@ run_step() {
     step)   cmd=($PY benchmarks/bench_decode_step.py) ;;
     prefill) cmd=($PY benchmarks/bench_prefill.py ${PREFILL_ARGS:-}) ;;
     selecting) cmd=($PY benchmarks/bench_selecting_layers.py ${SELECTING_ARGS:-}) ;;
-    tp)     cmd=($PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling,capacity}) ;;
+    tp)     cmd=("${FILL[@]}" $PY benchmarks/bench_tensor_parallel.py --parts ${TP_PARTS:-one_gpu,delta,scaling,capacity}) ;;
     tp-a)   cmd=(tp_disjoint) ;;
-    tp-b)   cmd=($PY benchmarks/bench_tensor_parallel.py --parts scaling,delta,capacity --tps 4
+    tp-b)   cmd=("${FILL[@]}" $PY benchmarks/bench_tensor_parallel.py --parts scaling,delta,capacity --tps 4
                  --name tp4) ;;
     spec)   cmd=($PY benchmarks/bench_speculative.py) ;;
     memory) cmd=($PY benchmarks/memory_probe.py ${MEMORY_ARGS:-}) ;;
     compile) cmd=($PY benchmarks/bench_compile.py ${COMPILE_ARGS:-}) ;;
-    capacity) cmd=($PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
+    capacity) cmd=("${FILL[@]}" $PY benchmarks/bench_capacity.py ${CAPACITY_ARGS:---quick}) ;;
     fp8)    cmd=($PY benchmarks/bench_fp8.py) ;;
-    peer-capacity) cmd=($PY benchmarks/peers/jax_llm_examples_capacity.py
+    peer-capacity) cmd=("${FILL[@]}" $PY benchmarks/peers/jax_llm_examples_capacity.py
                         ${PEER_LLAMA3:-build/jax-llm-examples/llama3} --json "$OUT/peer_capacity.json") ;;
     fidelity) cmd=(fidelity) ;;
     calibration) cmd=(calibration) ;;

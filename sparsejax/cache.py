@@ -306,7 +306,8 @@ def check_fits(config: ModelConfig, batch: int, capacity: int, *, page_size: int
         "(lower the batch, the prompt length or max_new_tokens"
         + (")" if jax.default_backend() == "cpu" else
            ", or let JAX's allocator take more than its default 75% of each device: "
-           "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95, set before JAX starts)"))
+           "XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 with preallocation on, JAX's default, set "
+           "before JAX starts)"))
 
 
 def memory_available() -> int:

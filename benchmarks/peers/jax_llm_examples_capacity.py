@@ -31,7 +31,9 @@ import os
 import sys
 import time
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# the allocator settings of bench_capacity.py, so both fill the same pool
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.93")
 
 import jax
 import jax.numpy as jnp
