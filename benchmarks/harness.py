@@ -71,7 +71,8 @@ def time_ms(fn, *args, calls: int = 50, repeats: int = 7, warmup: int = 3) -> fl
 
 def _gpu_events(fn, calls: int, warmup: int):
     """Run `fn()` `calls` times under `jax.profiler.trace` -> (GPU kernel, memcpy and memset
-    events as (name, start_ns, duration_ns), wall seconds of the traced calls)."""
+    events as (name, start_ns, duration_ns, hlo_op: the HLO instruction XLA annotated the
+    launch with, or None), wall seconds of the traced calls)."""
     import glob
     import tempfile
 
@@ -96,7 +97,8 @@ def _gpu_events(fn, calls: int, warmup: int):
             continue
         for line in plane.lines:
             if line.name.startswith("Stream"):  # the other lines are views of the same events
-                events.extend((e.name, e.start_ns, e.duration_ns) for e in line.events)
+                events.extend((e.name, e.start_ns, e.duration_ns, dict(e.stats).get("hlo_op"))
+                              for e in line.events)
     return events, wall
 
 
@@ -115,7 +117,7 @@ def device_time_ms(fn, *args, calls: int = 30, warmup: int = 3) -> float:
     if not events:
         raise RuntimeError("the profiler recorded no GPU activity (needs a GPU and CUPTI)")
     durations: dict[str, list[float]] = {}
-    for name, _, duration in sorted(events, key=lambda e: e[1]):
+    for name, _, duration, _ in sorted(events, key=lambda e: e[1]):
         durations.setdefault(name, []).append(duration)
     total = 0.0
     for d in durations.values():
@@ -172,7 +174,8 @@ def profile(fn, *, calls: int = 10, warmup: int = 3) -> dict:
     by_name: dict[str, float] = {}
     by_class: dict[str, float] = {}
     launches: dict[str, int] = {}
-    for name, start, duration in events:
+    by_op: dict[str, list] = {}
+    for name, start, duration, op in events:
         stop = start + duration
         if end is None or start >= end:
             busy += duration
@@ -184,13 +187,100 @@ def profile(fn, *, calls: int = 10, warmup: int = 3) -> dict:
         launches[name] = launches.get(name, 0) + 1
         cls = kernel_class(name)
         by_class[cls] = by_class.get(cls, 0.0) + duration / 1e6 / calls
+        # where XLA did not annotate the launch, its kernel is named after its fusion
+        entry = by_op.setdefault((op or name).replace(".", "_"), [0.0, 0.0])
+        entry[0] += 1 / calls
+        entry[1] += duration / 1e6 / calls
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
     return {"wall_ms": round(wall_ms, 4), "busy_ms": round(busy / 1e6 / calls, 4),
             "launches": len(events) / calls,
             "by_class_ms": {k: round(v, 4) for k, v in sorted(by_class.items())},
             "top": [(n, round(ms, 4)) for n, ms in top],
             "kernels": {n: (launches[n] / calls, round(by_name[n], 4))
-                        for n in sorted(by_name, key=lambda n: -by_name[n])}}
+                        for n in sorted(by_name, key=lambda n: -by_name[n])},
+            "by_op": {op: (round(n, 3), round(ms, 5)) for op, (n, ms) in by_op.items()}}
+
+
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+?)\[([\d,]*)\]")
+_NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
+              "conditional", "call", "after-all", "partition-id", "replica-id"}
+_IN_PLACE = ("dynamic-update-slice(", "scatter(")
+
+
+def shape_bytes(text: str) -> int:
+    """Bytes of every array shape written in `text` (HLO syntax: bf16[8,1536]{1,0})."""
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        size = _ELEMENT_BYTES.get(dtype, 1)   # the f8 types: one byte
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size
+    return total
+
+
+def _closing(text: str, start: int) -> int:
+    """Index of the parenthesis closing the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def hlo_op_costs(hlo: str, charge: dict[int, int] | None = None) -> dict[str, dict]:
+    """The bytes each kernel-launching instruction of an optimized HLO module moves, as a
+    bandwidth floor's numerator: {name (dots as underscores, as kernels are named): {"op",
+    "bytes", "op_name" (the JAX name stack)}}, over the computations that are neither fusion
+    bodies nor reducers. Bytes: its operands' and results' shapes; an in-place update (a
+    fusion whose body is a dynamic-update-slice or scatter, its result the shape of an
+    operand) moves its other operands, read and written. A kernel that reads part of an
+    operand (a sparse attention kernel's cache) is charged the whole operand, or what
+    `charge` maps an operand's bytes to (a layer's share of a cache array that holds every
+    layer's pages): its floor is an upper bound."""
+    charge = charge or {}
+    bodies, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name, lines = head.group(1), []
+        elif line.startswith("}") and name is not None:
+            bodies[name] = lines
+            name = None
+        elif name is not None:
+            lines.append(line)
+    inner = set(re.findall(r"\b(?:calls|to_apply)=%?([\w.\-]+)", hlo))
+    costs = {}
+    for comp, body in bodies.items():
+        if comp in inner:
+            continue
+        sizes = {}
+        for line in body:
+            m = re.match(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+            if not m:
+                continue
+            rest = line[m.end():]
+            cut = _closing(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
+            result, after = rest[:cut], rest[cut:].lstrip()
+            out = sizes[m.group(1)] = shape_bytes(result)
+            op = re.match(r"([\w\-]+)\(", after)
+            if not op or op.group(1) in _NO_KERNEL:
+                continue
+            operands = after[op.end():_closing(after, op.end() - 1)]
+            shapes = [sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands)]
+            if op.group(1) == "custom-call":   # a kernel reads its layer of the cache
+                shapes = [charge.get(x, x) for x in shapes]
+            callee = re.search(r"\bcalls=%?([\w.\-]+)", after)
+            called = "\n".join(bodies.get(callee.group(1), [])) if callee else ""
+            in_place = (op.group(1) in ("dynamic-update-slice", "scatter")
+                        or any(k in called for k in _IN_PLACE))
+            moved = 2 * (sum(shapes) - out) if in_place and out in shapes else sum(shapes) + out
+            op_name = re.search(r'op_name="([^"]*)"', after)
+            costs[m.group(1).replace(".", "_")] = dict(
+                op=op.group(1), bytes=moved, op_name=op_name.group(1) if op_name else "")
+    return costs
 
 
 def compiled(fn, *args, **static):

@@ -6,13 +6,15 @@
 For each case (model shapes, batch, context, method) it runs the library's jitted
 `decode_step` with the cache donated, traces a few steps and prints per step: wall ms,
 GPU-busy ms, kernel launches, and the time per kernel class (matmuls, our attention kernels,
-top-k, copies, the rest) with the heaviest kernels by name. Results go to
-`benchmarks/results/profile_step.json`.
+top-k, copies, the rest) with the heaviest kernels by name, and per layer and part (q/k/v,
+the K/V write, attention, MLP) the kernel time beside the bytes those kernels move and their
+floor (`per_layer`). Results go to `benchmarks/results/profile_step.json`.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -37,6 +39,11 @@ def run_case(model, name, method, batch, context, steps, layout):
     cache = S.random_cache(config, plan, batch, context, extra, jax.random.key(1))
     tokens = jnp.zeros((batch,), jnp.int32)
     step = jax.jit(sparsejax.decode_step, static_argnames="plan", donate_argnums=1)
+    # an attention kernel takes every layer's pages and reads its own layer's
+    shares = {x.nbytes: x.nbytes // config.num_layers for x in jax.tree.leaves(cache)
+              if x.ndim and x.shape[0] == config.num_layers}
+    costs = harness.hlo_op_costs(step.lower(model, cache, tokens, plan=plan).compile().as_text(),
+                                 charge=shares)
     t0 = time.perf_counter()
     logits, cache = step(model, cache, tokens, plan=plan)
     jax.block_until_ready(logits)
@@ -50,7 +57,48 @@ def run_case(model, name, method, batch, context, steps, layout):
     prof = harness.profile(call, calls=steps)
     del cache
     return dict(case=f"{name}/{layout}", batch=batch, context=context,
-                compile_s=round(compile_s, 2), **prof)
+                compile_s=round(compile_s, 2), **prof,
+                **per_layer(prof.pop("by_op"), costs, jax.devices()[0].device_kind))
+
+
+PARTS = ("qkv", "cache_write", "attention", "mlp")
+
+
+def per_layer(by_op: dict, costs: dict, device: str) -> dict:
+    """The step's kernel time by layer and part (the named scopes of `sparsejax.layers`: the
+    RMSNorm + q/k/v projection + RoPE, the token's K/V write, attention, and the output
+    projection + residuals + MLP), beside the bytes its kernels move (`harness.hlo_op_costs`)
+    and their floor at the device's datasheet bandwidth -> {"layers": [{layer, part, launches,
+    ms, bytes, floor_ms}], "parts": the same summed over layers, "unattributed_ms": kernels
+    no HLO instruction or layer was found for, "bandwidth"}."""
+    bandwidth = harness.datasheet_bandwidth(device) or harness.HBM_BYTES_PER_S
+    cells: dict[tuple, list] = {}
+    unattributed = 0.0
+    for op, (launches, ms) in by_op.items():
+        cost = costs.get(op)
+        layer = re.search(r"/layer(\d+)/", cost["op_name"]) if cost else None
+        if layer is None:
+            unattributed += ms
+            continue
+        part = next((p for p in PARTS if f"/{p}" in cost["op_name"]), "other")
+        cell = cells.setdefault((int(layer.group(1)), part), [0.0, 0.0, 0])
+        cell[0] += launches
+        cell[1] += ms
+        cell[2] += cost["bytes"]
+
+    def entry(launches, ms, num_bytes, **where):
+        floor = num_bytes / bandwidth * 1e3
+        return dict(where, launches=round(launches, 2), ms=round(ms, 4), bytes=num_bytes,
+                    floor_ms=round(floor, 4), ratio_to_floor=round(ms / floor, 2) if floor else None)
+
+    layers = [entry(*v, layer=k[0], part=k[1]) for k, v in sorted(cells.items())]
+    parts = []
+    for part in (*PARTS, "other"):
+        mine = [v for k, v in cells.items() if k[1] == part]
+        if mine:
+            parts.append(entry(*(sum(x) for x in zip(*mine)), part=part))
+    return dict(layers=layers, parts=parts, unattributed_ms=round(unattributed, 4),
+                bandwidth=bandwidth)
 
 
 def main():
@@ -86,6 +134,10 @@ def main():
                       flush=True)
                 for kname, ms in r["top"][:10]:
                     print(f"      {ms:8.4f} ms  {kname[:110]}")
+                for e in r["parts"]:   # summed over the layers
+                    print(f"      {e['part']:12s} {e['launches']:6.1f} launches {e['ms']:8.4f} ms"
+                          f"  floor {e['floor_ms']:8.4f} ms  ({e['ratio_to_floor']}x)")
+                print(f"      not in a layer: {r['unattributed_ms']:.4f} ms")
             del model
     if not args.smoke:
         harness.write_results(args.json, rows)

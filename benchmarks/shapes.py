@@ -42,6 +42,8 @@ MODELS = {
 # (model, batch, context, methods) for benchmarks/profile_step.py
 PROFILE_CASES = [
     ("qwen-1.5b", 64, 1024, ["dense"]),
+    ("qwen-1.5b", 1, 32768, ["dense", "delta"]),    # a small model's step, kernel by kernel
+    ("qwen-1.5b", 64, 16384, ["dense", "delta"]),
     ("llama-8b", 1, 4096, ["dense"]),
     ("llama-8b", 1, 131072, ["dense", "delta", "kascade", "lychee"]),
 ]

@@ -109,7 +109,8 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
         join = lambda *xs: jnp.concatenate(xs, axis=0)  # noqa: E731
     else:
         for layer, role in enumerate(plan.roles):
-            carry, diag = layer_fn(carry, layer, role=role, static_layer=layer)
+            with jax.named_scope(f"layer{layer}"):   # names each kernel's layer in a profile
+                carry, diag = layer_fn(carry, layer, role=role, static_layer=layer)
             diags.append(diag)
         join = lambda *xs: jnp.stack(xs)  # noqa: E731
     diag = jax.tree.map(join, *diags) if diagnostics else None
@@ -123,7 +124,8 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
     lp = layer_params(model.params, layer)
     with jax.named_scope("qkv"):
         q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
-    kv = write_token(carry.kv, layer_page_ids(ctx.pages, layer, num_pages), ctx.slots, k, v)
+    with jax.named_scope("cache_write"):
+        kv = write_token(carry.kv, layer_page_ids(ctx.pages, layer, num_pages), ctx.slots, k, v)
     state = carry.state
     if plan.selector is not None:   # the state describes the token as cached
         state = method_state.update_state(plan, state, layer, ctx, as_stored(k, kv.k.dtype),
@@ -137,7 +139,8 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
     with jax.named_scope(f"attention_{role.name.lower()}"):
         out, sel, attended = attend(role, plan, c, at, carry.sel)
     out = out.astype(carry.h.dtype)
-    h = finish_layer(c, lp, carry.h, out)
+    with jax.named_scope("mlp"):   # the output projection, the residuals and the MLP
+        h = finish_layer(c, lp, carry.h, out)
     diag = None
     if diagnostics:
         diag = _diagnostics(plan, c, at, out, attended, sel)
