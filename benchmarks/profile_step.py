@@ -89,7 +89,8 @@ def per_layer(by_op: dict, costs: dict, device: str) -> dict:
     def entry(launches, ms, num_bytes, **where):
         floor = num_bytes / bandwidth * 1e3
         return dict(where, launches=round(launches, 2), ms=round(ms, 4), bytes=num_bytes,
-                    floor_ms=round(floor, 4), ratio_to_floor=round(ms / floor, 2) if floor else None)
+                    floor_ms=round(floor, 4),
+                    ratio_to_floor=round(ms / floor, 2) if floor else None)
 
     layers = [entry(*v, layer=k[0], part=k[1]) for k, v in sorted(cells.items())]
     parts = []
