@@ -44,17 +44,13 @@ GIB = 2**30
 SMOKE_MEMORY = 48 * 2**20    # bytes a smoke cell pretends the device has free
 
 
-def out_of_memory(e: Exception) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
 def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: str) -> dict:
     """One (context, method) in this process -> its row."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    import harness
     import shapes as S
     import sparsejax
     from sparsejax import cache as kv
@@ -99,14 +95,14 @@ def cell(context: int, method: str, *, smoke: bool, probe_up: bool, kv_dtype: st
             jax.block_until_ready(out.tokens)
             result = "ran"
         except ValueError as e:
-            if "free" not in str(e):
+            if not harness.refused_as_too_large(e):
                 raise
             result = "refused"
             named = re.search(r"at most batch=(\d+)", str(e))
             if named:
                 following = min(following, int(named.group(1)))
         except Exception as e:  # noqa: BLE001 - XLA's OOM comes as several types
-            if not out_of_memory(e):
+            if not harness.out_of_memory(e):
                 raise
             result = "out of memory"
             error = str(e)[:600]   # XLA's own account of what it asked for

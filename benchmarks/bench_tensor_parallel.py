@@ -205,11 +205,8 @@ def fits(config, batch, context, tp) -> bool:
 
 def out_of_memory(e: Exception) -> bool:
     """XLA's out-of-memory, or the library's refusal of a cache that does not fit."""
-    if isinstance(e, CompiledTooLarge):
-        return True
-    text = str(e)
-    return ("RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-            or (isinstance(e, ValueError) and "rows of" in text and "fit" in text))
+    return (isinstance(e, CompiledTooLarge) or harness.out_of_memory(e)
+            or harness.refused_as_too_large(e))
 
 
 # Seconds a cell may take. A device that runs out of memory in a sharded step at run time

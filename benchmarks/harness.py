@@ -206,7 +206,7 @@ _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e\w+?)\[([\d,]*)\]")
 _NO_KERNEL = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while",
               "conditional", "call", "after-all", "partition-id", "replica-id"}
-_IN_PLACE = ("dynamic-update-slice(", "scatter(")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
 def shape_bytes(text: str) -> int:
@@ -274,13 +274,24 @@ def hlo_op_costs(hlo: str, charge: dict[int, int] | None = None) -> dict[str, di
                 shapes = [charge.get(x, x) for x in shapes]
             callee = re.search(r"\bcalls=%?([\w.\-]+)", after)
             called = "\n".join(bodies.get(callee.group(1), [])) if callee else ""
-            in_place = (op.group(1) in ("dynamic-update-slice", "scatter")
-                        or any(k in called for k in _IN_PLACE))
+            in_place = (op.group(1) in _IN_PLACE or any(f"{k}(" in called for k in _IN_PLACE))
             moved = 2 * (sum(shapes) - out) if in_place and out in shapes else sum(shapes) + out
             op_name = re.search(r'op_name="([^"]*)"', after)
             costs[m.group(1).replace(".", "_")] = dict(
                 op=op.group(1), bytes=moved, op_name=op_name.group(1) if op_name else "")
     return costs
+
+
+def out_of_memory(e: Exception) -> bool:
+    """XLA's out-of-memory error (it surfaces as several exception types)."""
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def refused_as_too_large(e: Exception) -> bool:
+    """The library's refusal, before allocating, of a cache that does not fit (`allocate`'s
+    and `generate`'s capacity checks name the free memory)."""
+    return isinstance(e, ValueError) and "GiB free" in str(e)
 
 
 def compiled(fn, *args, **static):

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from sparsejax import cache
+from sparsejax import cache, models
 from sparsejax.cache import PagedKVCache
-from sparsejax import models
 from sparsejax.models import Model, ModelConfig, split_layer
 
 MODEL, DATA = "model", "data"
