@@ -3,11 +3,11 @@
     bound[b, h, p] = sum_d max(q[b, h, d] * kmax[page, kv(h), d], q[b, h, d] * kmin[page, kv(h), d])
 
 for logical page p of row b (physical page = page_table[b, p]), -inf for pages at or past
-ceil(length / page_size). kmin / kmax hold each physical page's element-wise key bounds, f32;
-the decode step hands every layer's bounds as one array with the layer's offset table, as
+ceil(length / page_size). kmin / kmax hold each physical page's element-wise key bounds (f32,
+bf16 or f16, read into f32); the decode step hands every layer's bounds as one array with the layer's offset table, as
 it does the cache (a per-layer slice would be copied for the kernel). With an fp8 cache the
-bounds are those of the dequantized keys (the runtime computes them as it writes the keys),
-so the kernel never sees the fp8 pages or their scales.
+bounds are those of the dequantized keys, in bf16 rounded outward (the runtime computes them
+as it writes the keys), so the kernel never sees the fp8 pages or their scales.
 
 Kernel: grid (batch, kv_head, split). Each program walks its share of the row's *valid* page
 blocks through the page table (gathering the bounds' rows straight from [num_pages, HK, D]),
@@ -27,11 +27,12 @@ from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
 
 TUNING = ("block_p", "num_splits", "num_warps")
+BOUND_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)   # the bounds are read into f32
 
 
 def _bound_kernel(q_ref,           # [B, HQ, D]
-                  kmin_ref,        # [num_pages * HK, D] f32: one row per (page, KV head)
-                  kmax_ref,        # [num_pages * HK, D] f32
+                  kmin_ref,        # [num_pages * HK, D] float: one row per (page, KV head)
+                  kmax_ref,        # [num_pages * HK, D] float
                   page_table_ref,  # [B, max_pages] int32
                   lengths_ref,     # [B] int32
                   out_ref,         # [B, HQ, max_pages] f32
@@ -55,8 +56,8 @@ def _bound_kernel(q_ref,           # [B, HQ, D]
         ids = plgpu.load(page_table_ref.at[b, pages], mask=live, other=0)
         # the bounds as [num_pages * HK, D]: a cache of one slot per page
         rows = common.cache_row(ids, h, 0, kv_heads=kv_heads, page_size=1)[:, None], cols[None, :]
-        lo = plgpu.load(kmin_ref.at[rows], mask=live[:, None], other=0.0)  # [block_p, D]
-        hi = plgpu.load(kmax_ref.at[rows], mask=live[:, None], other=0.0)
+        lo, hi = (plgpu.load(ref.at[rows], mask=live[:, None], other=0.0).astype(jnp.float32)
+                  for ref in (kmin_ref, kmax_ref))                         # [block_p, D]
         for g, q in enumerate(queries):
             bound = jnp.sum(jnp.maximum(q[None, :] * hi, q[None, :] * lo), axis=1)
             plgpu.store(out_ref.at[b, h * group + g, pages], jnp.where(live, bound, -jnp.inf),
@@ -100,8 +101,9 @@ def _check_inputs(q, kmin, kmax, page_table, lengths, page_size):
     if kmax.shape != kmin.shape:
         raise ValueError(f"kmax.shape={kmax.shape}: expected kmin.shape={kmin.shape}")
     for name, x in (("kmin", kmin), ("kmax", kmax)):
-        if x.dtype != jnp.float32:
-            raise ValueError(f"{name}.dtype={x.dtype}: expected float32")
+        if x.dtype not in BOUND_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype}: expected one of "
+                             f"{[jnp.dtype(d).name for d in BOUND_DTYPES]}")
     batch, q_heads, head_dim = q.shape
     if kmin.shape[2] != head_dim:
         raise ValueError(f"kmin head_dim={kmin.shape[2]}: expected q's head_dim={head_dim}")
@@ -129,7 +131,7 @@ def quest_page_bound(q, kmin, kmax, page_table, lengths, *, page_size: int, back
                      interpret=None, block_p=None, num_splits=None, num_warps=None):
     """Quest's per-query-head page bound -> [B, HQ, max_pages] f32 (see the module doc).
 
-    q [B, HQ, D] (any float dtype, computed in f32); kmin / kmax [num_pages, HK, D] f32;
+    q [B, HQ, D] (any float dtype, computed in f32); kmin / kmax [num_pages, HK, D] (BOUND_DTYPES);
     page_table [B, max_pages] int32; lengths [B]. block_p, num_splits, num_warps: static
     knobs of the Pallas path; None picks `default_tuning`."""
     _check_inputs(q, kmin, kmax, page_table, lengths, page_size)
@@ -165,7 +167,7 @@ def _quest_page_bound_pallas(q, kmin, kmax, page_table, lengths, *, page_size, i
 @functools.partial(jax.jit, static_argnames=("page_size",))
 def quest_page_bound_reference(q, kmin, kmax, page_table, lengths, *, page_size: int):
     """Plain-jnp twin of `quest_page_bound`: gathers every page of the table."""
-    lo, hi = kmin[page_table], kmax[page_table]                      # [B, MP, HK, D]
+    lo, hi = (x[page_table].astype(jnp.float32) for x in (kmin, kmax))  # [B, MP, HK, D]
     group = q.shape[1] // kmin.shape[1]
     lo, hi = jnp.repeat(lo, group, axis=2), jnp.repeat(hi, group, axis=2)
     qf = q.astype(jnp.float32)[:, None]                              # [B, 1, HQ, D]

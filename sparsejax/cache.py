@@ -90,8 +90,9 @@ class MethodState:
     """Per-layer state that methods keep in the cache: computed at prefill, updated every step.
     A field is None when the plan needs none of it."""
     prior: Any = None                # resa.Prior, every field stacked [layers, ...] (RESA)
-    kmin: jax.Array | None = None    # [layers, num_pages, kv_heads, head_dim] f32: each physical
-    kmax: jax.Array | None = None    # page's element-wise key bounds (Quest); +-inf when empty
+    kmin: jax.Array | None = None    # [layers, num_pages, kv_heads, head_dim]: each physical page's
+    kmax: jax.Array | None = None    # element-wise key bounds (Quest; +-inf when empty) in the
+    #                                  cache's dtype, bf16 for fp8 (method_state.bound_dtype)
 
 
 @flax.struct.dataclass

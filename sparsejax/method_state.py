@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from sparsejax import resa
 from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, dequantized_pages,
-                             flat_pages, layer_page_ids, replicate_kv_heads, token_address)
+                             flat_pages, is_fp8, layer_page_ids, replicate_kv_heads,
+                             token_address)
 from sparsejax.models import Model
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.plan import Score, SparsePlan
@@ -28,9 +29,28 @@ def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
     return MethodState(prior=prior, kmin=kmin, kmax=kmax)
 
 
+def bound_dtype(stored) -> jnp.dtype:
+    """The dtype of Quest's page key bounds for a cache of `stored` dtype: the cache's own (a
+    page's min and max of stored keys are stored keys, so exact; f32 bounds would add 1/8 of
+    a bf16 cache at page size 16), bfloat16 for fp8 (the dequantized keys' bounds rounded
+    outward, `_outward`)."""
+    return jnp.dtype(jnp.bfloat16) if is_fp8(stored) else jnp.dtype(stored)
+
+
+def _outward(lo: jax.Array, hi: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Lower and upper bounds in `dtype`, lo rounded down and hi up, so that they still bound
+    what they bounded (exact where the values are representable)."""
+    def rounded(x, toward):
+        y = x.astype(dtype)
+        moved = y.astype(x.dtype) > x if toward < 0 else y.astype(x.dtype) < x
+        return jnp.where(moved, jnp.nextafter(y, jnp.array(toward, dtype)), y)
+    return rounded(lo, -jnp.inf), rounded(hi, jnp.inf)
+
+
 def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
     """Element-wise min / max key of each physical page over the prompt's valid tokens.
-    keys [L, B, T, HK, D] -> kmin, kmax [L, num_pages, HK, D] f32 (+inf / -inf when empty)."""
+    keys [L, B, T, HK, D] -> kmin, kmax [L, num_pages, HK, D] in `bound_dtype` (+inf / -inf
+    when empty)."""
     L, B, T, HK, D = keys.shape
     P = cache.page_size
     pages = -(-T // P)
@@ -43,17 +63,18 @@ def _page_bounds(cache: PagedKVCache, keys: jax.Array, lengths: jax.Array):
     hi = jnp.max(jnp.where(valid, kf, -jnp.inf), axis=3)
     phys = cache.page_table[:, :pages]
     HK = cache.k.shape[2]     # the cache's heads (KV heads replicated for a mesh)
-    lo, hi = (replicate_kv_heads(x, HK, axis=3) for x in (lo, hi))
-    kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, jnp.float32).at[:, phys].set(lo)
-    kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, jnp.float32).at[:, phys].set(hi)
+    lo, hi = _outward(*(replicate_kv_heads(x, HK, axis=3) for x in (lo, hi)),
+                      bound_dtype(cache.k.dtype))
+    kmin = jnp.full((L, cache.num_pages, HK, D), jnp.inf, lo.dtype).at[:, phys].set(lo)
+    kmax = jnp.full((L, cache.num_pages, HK, D), -jnp.inf, hi.dtype).at[:, phys].set(hi)
     return kmin, kmax
 
 
 def empty_page_bounds(cache: PagedKVCache) -> MethodState:
-    """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] f32."""
-    shape = cache.k.shape[:3] + cache.k.shape[4:]
-    return MethodState(kmin=jnp.full(shape, jnp.inf, jnp.float32),
-                       kmax=jnp.full(shape, -jnp.inf, jnp.float32))
+    """Quest's state before any token: kmin +inf, kmax -inf [L, num_pages, HK, D] in
+    `bound_dtype`."""
+    shape, dtype = cache.k.shape[:3] + cache.k.shape[4:], bound_dtype(cache.k.dtype)
+    return MethodState(kmin=jnp.full(shape, jnp.inf, dtype), kmax=jnp.full(shape, -jnp.inf, dtype))
 
 
 def refresh_page_bounds(state: MethodState, cache: PagedKVCache, start: jax.Array,
@@ -82,8 +103,8 @@ def _refresh_layer_bounds(state: MethodState, layer, pages: KVPages, offset,
     keys = dequantized_pages(pages.k[offset + phys],                  # [B, n, HK, P, D]
                              None if pages.k_scale is None else pages.k_scale[offset + phys])
     held = (logical[..., None] * P + jnp.arange(P) < filled[:, None, None])[:, :, None, :, None]
-    lo = jnp.min(jnp.where(held, keys, jnp.inf), axis=3)
-    hi = jnp.max(jnp.where(held, keys, -jnp.inf), axis=3)
+    lo, hi = _outward(jnp.min(jnp.where(held, keys, jnp.inf), axis=3),
+                      jnp.max(jnp.where(held, keys, -jnp.inf), axis=3), state.kmin.dtype)
     phys = jnp.where(touched, phys, state.kmin.shape[1])              # dropped by the write
     return state.replace(kmin=state.kmin.at[layer, phys].set(lo, mode="drop"),
                          kmax=state.kmax.at[layer, phys].set(hi, mode="drop"))
@@ -125,9 +146,10 @@ def update_state(plan: SparsePlan, state: MethodState | None, layer, ctx, k, v):
     if state is None:
         return None
     if state.kmin is not None:
-        kf = replicate_kv_heads(k.astype(jnp.float32), state.kmin.shape[2], axis=1)
-        state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(kf),
-                              kmax=state.kmax.at[layer, ctx.pages].max(kf))
+        lo, hi = _outward(k, k, state.kmin.dtype)
+        lo, hi = (replicate_kv_heads(x, state.kmin.shape[2], axis=1) for x in (lo, hi))
+        state = state.replace(kmin=state.kmin.at[layer, ctx.pages].min(lo),
+                              kmax=state.kmax.at[layer, ctx.pages].max(hi))
     if state.prior is not None and plan.residual.fold_decode_tokens:
         state = state.replace(prior=resa.fold_token(state.prior, layer, k, v))
     return state

@@ -276,6 +276,49 @@ def test_fp8_logits_close_to_bf16(embedded, batch):
     np.testing.assert_array_equal(logits["fp8"].argmax(-1), logits["f32"].argmax(-1))
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_quest_bounds_in_bf16_bound_every_cached_key(embedded, batch, kv_dtype):
+    """Quest's page bounds are kept in bf16 for a bf16 and an fp8 cache (f32 bounds would add
+    1/8 of a bf16 cache), after a chunked prefill and decode steps: each page's bound holds
+    every key the page caches (dequantized) and is within one bf16 step of the tightest."""
+    ids, lengths = jnp.asarray(batch[0]), jnp.asarray(batch[1])
+    plan = as_plan(M.Quest(token_budget=32, dense_layers=1), embedded.config, None)
+    B = ids.shape[0]
+    cache = kv.allocate(embedded, B, ids.shape[1] + 8, kv_dtype=kv_dtype)
+    _, cache = sparsejax.prefill(embedded, cache, ids, lengths, plan, chunk=64)
+    for token in (5, 17, 300):
+        _, cache = sparsejax.decode_step(embedded, cache, jnp.full((B,), token, jnp.int32),
+                                         plan)
+    kmin, kmax = (np.asarray(x, np.float32) for x in (cache.state.kmin, cache.state.kmax))
+    assert cache.state.kmin.dtype == cache.state.kmax.dtype == jnp.bfloat16
+    keys = np.asarray(kv.dequantized_pages(cache.k, cache.k_scale), np.float32)
+    P, table = cache.page_size, np.asarray(cache.page_table)
+    checked = 0
+    for b, n in enumerate(np.asarray(cache.lengths)):
+        for page in range(-(-n // P)):
+            phys, held = table[b, page], min(P, n - page * P)
+            k = keys[:, phys, :, :held]                          # [L, HK, held, D]
+            lo, hi = k.min(axis=2), k.max(axis=2)
+            step = np.abs(np.stack([lo, hi])) * 2.0**-7 + 1e-30
+            assert np.all(kmin[:, phys] <= lo) and np.all(lo - kmin[:, phys] <= step[0])
+            assert np.all(kmax[:, phys] >= hi) and np.all(kmax[:, phys] - hi <= step[1])
+            checked += 1
+    assert checked >= B
+
+
+def test_outward_rounding_keeps_bounds():
+    from sparsejax.method_state import _outward
+    x = jnp.array([1.0001, -1.0001, 3.0, 0.0, jnp.inf, -jnp.inf], jnp.float32)
+    lo, hi = _outward(x, x, jnp.bfloat16)
+    assert lo.dtype == hi.dtype == jnp.bfloat16
+    lo, hi = np.asarray(lo, np.float32), np.asarray(hi, np.float32)
+    x = np.asarray(x)
+    assert np.all(lo <= x) and np.all(hi >= x)
+    np.testing.assert_array_equal(lo[2:], x[2:])     # representable values stay put
+    np.testing.assert_array_equal(hi[2:], x[2:])
+    assert lo[0] < 1.0001 < hi[0] and hi[0] - lo[0] == 2.0**-7
+
+
 def test_generate_and_llm_refuse_a_bad_kv_dtype(embedded, batch):
     ids, lengths = batch
     with pytest.raises(ValueError, match=r"kv_dtype='fp4': expected None or one of 'auto'"):

@@ -9,7 +9,7 @@ from sparsejax.pallas_kernels.page_bound import (default_tuning, quest_page_boun
 
 
 def make_case(seed, *, batch=3, q_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=9,
-              lengths=None, dtype=jnp.float32):
+              lengths=None, dtype=jnp.float32, bound_dtype=jnp.float32):
     """Random keys per physical page (page count spare beyond the table), their element-wise
     bounds as the cache keeps them, a shuffled page table and ragged lengths (one page, a
     page boundary, the whole table by default)."""
@@ -25,7 +25,8 @@ def make_case(seed, *, batch=3, q_heads=8, kv_heads=2, head_dim=64, page_size=8,
     if lengths is None:
         lengths = [1, 2 * page_size, max_pages * page_size][:batch]
     q = rng.standard_normal((batch, q_heads, head_dim)).astype(np.float32)
-    return dict(q=jnp.asarray(q, dtype), kmin=jnp.asarray(kmin), kmax=jnp.asarray(kmax),
+    return dict(q=jnp.asarray(q, dtype), kmin=jnp.asarray(kmin, bound_dtype),
+                kmax=jnp.asarray(kmax, bound_dtype),
                 page_table=jnp.asarray(table, jnp.int32),
                 lengths=jnp.asarray(lengths, jnp.int32)), page_size
 
@@ -77,8 +78,9 @@ def test_bound_holds_over_every_key_of_the_page():
     (8, 2, 64, jnp.float32, dict(block_p=16, num_splits=8)),       # more splits than blocks
 ])
 def test_kernel_matches_reference(q_heads, kv_heads, head_dim, dtype, tuning):
+    """Bounds in the cache's dtype (f32 for f32 queries, else bf16 / f16), read into f32."""
     case, page_size = make_case(2, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                                dtype=dtype, batch=4, lengths=[1, 16, 17, 72])
+                                dtype=dtype, batch=4, lengths=[1, 16, 17, 72], bound_dtype=dtype)
     want = quest_page_bound_reference(**case, page_size=page_size)
     got = quest_page_bound(**case, page_size=page_size, backend="pallas", interpret=True,
                            **tuning)
@@ -102,7 +104,7 @@ def test_default_tuning():
 
 
 @pytest.mark.parametrize("mutate,match", [
-    (lambda c: dict(c, kmin=c["kmin"].astype(jnp.bfloat16)), "kmin.dtype=bfloat16"),
+    (lambda c: dict(c, kmin=c["kmin"].astype(jnp.int32)), "kmin.dtype=int32"),
     (lambda c: dict(c, kmax=c["kmax"][:, :1]), r"kmax.shape=\(30, 1, 64\)"),
     (lambda c: dict(c, q=c["q"][..., :32]), "kmin head_dim=64"),
     (lambda c: dict(c, page_table=c["page_table"].astype(jnp.float32)), "page_table"),
@@ -123,7 +125,7 @@ def test_bad_tuning():
 @pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 6), (128, 1)])
 def test_lowers_for_cuda(head_dim, group):
     case, page_size = make_case(5, q_heads=2 * group, kv_heads=2, head_dim=head_dim,
-                                dtype=jnp.bfloat16)
+                                dtype=jnp.bfloat16, bound_dtype=jnp.bfloat16)
     text = lower_for_cuda(lambda *a: quest_page_bound(*a, page_size=page_size,
                                                       backend="pallas", interpret=False),
                           *case.values())
@@ -136,7 +138,7 @@ def test_lowers_for_cuda(head_dim, group):
 def test_native_gpu(batch, max_pages, lengths):
     case, page_size = make_case(6, batch=batch, q_heads=32, kv_heads=8, head_dim=128,
                                 page_size=16, max_pages=max_pages, lengths=lengths,
-                                dtype=jnp.bfloat16)
+                                dtype=jnp.bfloat16, bound_dtype=jnp.bfloat16)
     want = quest_page_bound_reference(**case, page_size=page_size)
     got = quest_page_bound(**case, page_size=page_size, backend="pallas", interpret=False)
     np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
