@@ -76,9 +76,10 @@ def step_row(model, batch: int, context: int, method: str) -> dict:
     from sparsejax.plan import as_plan
 
     plan = as_plan(shapes.method(method, model.config, context), model.config, None)
-    cache = jax.eval_shape(lambda: kv.allocate(model.config, batch, context + 64,
-                                               page_size=plan.page_size, dtype=jnp.bfloat16))
-    cache_gb = (np.prod(cache.k.shape) * 2 * 2) / 1e9
+    # with the method's state (Quest's bounds, RESA's prior), as a prefilled cache holds it
+    cache = importlib.import_module("sparsejax.generate")._abstract_cache(
+        model, batch, context + 64, plan, 1, None)
+    cache_gb = kv.cache_bytes(cache) / 1e9
     step = jax.jit(sparsejax.decode_step, static_argnames=("plan",), donate_argnums=(1,))
     tokens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     t0 = time.perf_counter()

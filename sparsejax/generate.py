@@ -27,7 +27,7 @@ from sparsejax import method_state, sharding, speculative
 from sparsejax.extend import (choose_prefill_chunk, chunked_prefill, correct,
                               resolve_prefill_chunk)
 from sparsejax.models import Model, embed, forward, init_params, token_ids, unembed, unstack_layers
-from sparsejax.plan import SparsePlan, as_plan
+from sparsejax.plan import Score, SparsePlan, as_plan
 from sparsejax.layers import decode_layers, prefill_state
 
 
@@ -458,6 +458,15 @@ def _check_step(model: Model, cache: kv.PagedKVCache, plan: SparsePlan) -> None:
     a jit they cannot be read, and a step past capacity loses the new token's K/V (`generate`
     allocates prompt + new tokens, so it never gets there)."""
     plan.check_model(model.config)
+    state = cache.state
+    needs = [(plan.residual is not None, "prior", "RESA's prior"),
+             (plan.selector is not None and plan.selector.score == Score.QUEST_BOUND, "kmin",
+              "Quest's page key bounds")]
+    for needed, field, what in needs:
+        if needed and getattr(state, field, None) is None:
+            raise ValueError(f"decode_step: plan {plan.name!r} reads {what} from cache.state, "
+                             f"and the cache holds none: prefill it with the same plan first "
+                             f"(sparsejax.prefill(model, cache, ids, lengths, plan))")
     if isinstance(cache.lengths, jax.core.Tracer):
         return
     longest = int(np.max(np.asarray(cache.lengths)))

@@ -29,7 +29,7 @@ from sparsejax import artifacts
 from sparsejax import methods as M
 from sparsejax.generate import prompt_lengths
 from sparsejax.models import ModelConfig, param_shapes, save_pretrained, stack_layers
-from sparsejax.plan import dense_plan
+from sparsejax.plan import as_plan, dense_plan
 from sparsejax.train import checkpoints, gates, pretrain
 from sparsejax.train.checkpoints import CheckpointSaveError
 from sparsejax.train.passkey import GateBatch
@@ -572,6 +572,23 @@ def test_decode_step_past_the_cache_capacity_is_refused(model):
     _, seven = sparsejax.prefill(model, cache, np.arange(8)[None], np.array([7]), plan)
     _, after = sparsejax.decode_step(model, seven, np.array([3]), plan)   # the last slot: fine
     assert int(after.lengths[0]) == 8
+
+
+@pytest.mark.parametrize("wrap,what", [(False, "Quest's page key bounds"),
+                                       (True, "RESA's prior")])
+def test_decode_step_without_the_plans_state_is_refused(model, wrap, what):
+    """A fresh cache holds no method state: a Quest or RESA step on it is refused by name
+    (it used to fail inside the step on a missing attribute), eagerly and under jit."""
+    method = M.Quest(page_size=4, token_budget=8, dense_layers=1)
+    plan = as_plan(M.RESA(method) if wrap else method, CFG, 4)
+    cache = sparsejax.allocate(CFG, 1, 8, page_size=4, dtype=jnp.float32)
+    step = jax.jit(sparsejax.decode_step, static_argnames="plan")
+    for call in (sparsejax.decode_step, step):
+        with pytest.raises(ValueError, match=f"reads {what} from cache.state, and the cache "
+                                             "holds none: prefill it with the same plan"):
+            call(model, cache, np.array([3]), plan=plan)
+    _, cache = sparsejax.prefill(model, cache, np.array([[1, 2]]), np.array([2]), plan)
+    sparsejax.decode_step(model, cache, np.array([3]), plan)   # prefilled: it runs
 
 
 def test_decode_step_with_another_models_plan_is_refused(model):
