@@ -452,8 +452,11 @@ def main(argv=None) -> int:
         docs = [_load(p) for p in args.inputs]
         cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]): r
                  for d in docs for r in d["results"]}
+        counts = sorted({len(r["scores"]) for r in cells.values()})   # runs may differ
         doc = dict(docs[0], results=list(cells.values()), merged_from=[p.name for p in
-                                                                       args.inputs])
+                                                                       args.inputs],
+                   samples_per_task=counts[0] if len(counts) == 1 else
+                   f"{counts[0]}-{counts[-1]}")
     else:
         doc = measure(args) if args.command == "measure" else _load(args.out)
     if args.command != "measure":
