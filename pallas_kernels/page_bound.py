@@ -4,8 +4,9 @@
 
 for logical page p of row b (physical page = page_table[b, p]), -inf for pages at or past
 ceil(length / page_size). kmin / kmax hold each physical page's element-wise key bounds (f32,
-bf16 or f16, read into f32); the decode step hands every layer's bounds as one array with the layer's offset table, as
-it does the cache (a per-layer slice would be copied for the kernel). With an fp8 cache the
+bf16 or f16, read into f32); the decode step hands every layer's bounds as one array with
+the layer's offset table, as it does the cache (a per-layer slice would be copied for the
+kernel). With an fp8 cache the
 bounds are those of the dequantized keys, in bf16 rounded outward (the runtime computes them
 as it writes the keys), so the kernel never sees the fp8 pages or their scales.
 

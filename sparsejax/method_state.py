@@ -41,6 +41,8 @@ def _outward(lo: jax.Array, hi: jax.Array, dtype) -> tuple[jax.Array, jax.Array]
     """Lower and upper bounds in `dtype`, lo rounded down and hi up, so that they still bound
     what they bounded (exact where the values are representable)."""
     def rounded(x, toward):
+        if x.dtype == dtype:    # a bf16 cache's keys into bf16 bounds: nothing to round
+            return x
         y = x.astype(dtype)
         moved = y.astype(x.dtype) > x if toward < 0 else y.astype(x.dtype) < x
         return jnp.where(moved, jnp.nextafter(y, jnp.array(toward, dtype)), y)
