@@ -94,25 +94,49 @@ def _forward(model, ids, lengths):
     return out._replace(hidden=None), jnp.argmax(unembed(model, last), -1).astype(jnp.int32)
 
 
+DIAGNOSTICS = ("recall", "oracle_recall", "attn_error")
+
+
 @functools.partial(jax.jit, static_argnames=("plan", "steps"))
-def _decode(model, out, first, lengths, *, plan, steps: int):
-    """Greedy decoding of `steps` tokens from the prompt cache `out` (the dense forward's keys
-    and values) under `plan`, with every step's diagnostics (as `generate` with
-    return_diagnostics, without stopping at EOS: the score reads the text up to it)."""
+def _start(model, out, lengths, *, plan, steps: int):
+    """The cache for greedy decoding of `steps` tokens from the prompt cache `out` (the dense
+    forward's keys and values), with `plan`'s state."""
     L, B, T = out.keys.shape[:3]
     cache = kv.allocate(model.config, B, T + steps, page_size=plan.page_size, dtype=model.dtype)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
-    cache = cache.replace(state=prefill_state(model, cache, out, plan))
+    return cache.replace(state=prefill_state(model, cache, out, plan))
 
-    def body(carry, _):
-        cache, token = carry
-        logits, cache, diag = _decode_step(model, cache, token, plan, True)
-        diag = {k: diag[k] for k in ("recall", "oracle_recall", "attn_error")}
-        nxt = jnp.argmax(logits, -1).astype(jnp.int32)
-        return (cache, nxt), (nxt, diag)
 
-    _, (tokens, diag) = jax.lax.scan(body, (cache, first), None, length=steps - 1)
-    return jnp.concatenate([first[:, None], tokens.T], axis=1), diag
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnums=1)
+def _step(model, cache, token, *, plan):
+    """One greedy step with its diagnostics (as `generate` with return_diagnostics). A host
+    loop of donated steps, not a scan: inside a scan whose outputs hold each layer's
+    diagnostics, XLA copies the whole page pool at every layer (~28x the cache on an H100)."""
+    logits, cache, diag = _decode_step(model, cache, token, plan, True)
+    return jnp.argmax(logits, -1).astype(jnp.int32), cache, {k: diag[k] for k in DIAGNOSTICS}
+
+
+class Decoder:
+    """`_start` and `_step` compiled ahead of time for one plan, step count and shapes; called
+    as (model, out, first, lengths) -> (tokens [B, steps], {diagnostic: [steps - 1, L, B]}),
+    without stopping at EOS (the score reads the text up to it)."""
+
+    def __init__(self, model, out, first, lengths, plan, steps: int):
+        self.steps = steps
+        self.start = _start.lower(model, out, lengths, plan=plan, steps=steps).compile()
+        cache = jax.eval_shape(functools.partial(_start, plan=plan, steps=steps), model, out,
+                               lengths)
+        self.step = _step.lower(model, cache, first, plan=plan).compile()
+
+    def __call__(self, model, out, first, lengths):
+        cache, token = self.start(model, out, lengths), first
+        tokens, diags = [first], []
+        for _ in range(self.steps - 1):
+            token, cache, diag = self.step(model, cache, token)
+            tokens.append(token)
+            diags.append(diag)
+        return (jnp.stack(tokens, axis=1),
+                {k: jnp.stack([d[k] for d in diags]) for k in DIAGNOSTICS})
 
 
 def _text_until_eos(tokenizer, ids, eos):
@@ -127,7 +151,7 @@ def _text_until_eos(tokenizer, ids, eos):
 def run_cell(model, tokenizer, samples, prepared, program, plan, eos, steps):
     """Accuracy, per-sample scores, per-layer recall / oracle recall / error (means over the
     steps each row generated before EOS or its sample's max_new_tokens, then rows), and the
-    sparse layers' means. `program`: `_decode` compiled for `plan` and these shapes; `steps`:
+    sparse layers' means. `program`: a `Decoder` for `plan` and these shapes; `steps`:
     tokens decoded (the task's step bucket)."""
     from sparsejax import tasks
 
@@ -209,7 +233,7 @@ def _step_bucket(samples) -> int:
 
 
 class Programs:
-    """`_decode` compiled ahead of time for each (plan, steps) at (batch, width), in a thread
+    """A `Decoder` compiled ahead of time for each (plan, steps) at (batch, width), in a thread
     pool (XLA compiles without the GIL): `submit` starts a compile, `get` waits for it."""
 
     def __init__(self, model, plans: dict, batch: int, width: int, workers: int):
@@ -221,8 +245,7 @@ class Programs:
         self.futures = {}
 
     def _build(self, key, steps):
-        return _decode.lower(self.model, self.out, self.first, self.lengths,
-                             plan=self.plans[key], steps=steps).compile()
+        return Decoder(self.model, self.out, self.first, self.lengths, self.plans[key], steps)
 
     def submit(self, key, steps: int) -> None:
         if (key, steps) not in self.futures:

@@ -29,7 +29,8 @@ def test_padded_prompt_cache_decodes_as_the_prompt_width(model, prompts, method)
     for width in (prompts.shape[1], prompts.shape[1] + 3 * 16 + 5):
         out, first, lens = fidelity_real._prompt_cache(model, prompts, lengths, width)
         assert out.keys.shape[2] == width
-        tokens, diag = fidelity_real._decode(model, out, first, lens, plan=plan, steps=STEPS)
+        decoder = fidelity_real.Decoder(model, out, first, lens, plan, STEPS)
+        tokens, diag = decoder(model, out, first, lens)
         decoded[width] = (np.asarray(tokens), {k: np.asarray(v) for k, v in diag.items()})
     (narrow, d_narrow), (wide, d_wide) = decoded.values()
     np.testing.assert_array_equal(wide, narrow)
