@@ -525,6 +525,19 @@ def test_default_splits_are_powers_of_2_once_row_groups_fill_the_sms():
     assert default_tuning(64, 8, 128, 16, 2048, jnp.float32)["num_warps"] == 4
 
 
+def test_default_tuning_of_an_fp8_cache():
+    """An fp8 cache without scores: 2 warps and 3 stages at any batch (the H100 sweep); with
+    scores, and for 16-bit caches, the rules above."""
+    shape = (8, 128, 16, 2048, jnp.float16)
+    for batch in (1, 64):
+        fp8 = default_tuning(batch, *shape, kv_dtype=jnp.float8_e4m3fn)
+        assert (fp8["num_warps"], fp8["num_stages"]) == (2, 3)
+        assert fp8["block_n"] == default_tuning(batch, *shape)["block_n"]
+    assert default_tuning(64, *shape, scores=True, kv_dtype=jnp.float8_e4m3fn) == default_tuning(
+        64, *shape, scores=True)
+    assert default_tuning(1, *shape, kv_dtype=jnp.bfloat16) == default_tuning(1, *shape)
+
+
 def test_default_splits_go_down_to_one_key_block():
     """B=1 on a cache sized to its context: as many splits as ~4 waves want, up to one per
     key block of 64 tokens (a 4160-token cache has 65), none at a single block."""

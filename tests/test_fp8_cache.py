@@ -167,6 +167,17 @@ def test_kv_dtype_names():
     assert kv.resolve_kv_dtype(jnp.float16, jnp.float16) == jnp.float16   # the model's own
 
 
+def test_query_dtype_of_an_fp8_cache():
+    """The kernels read an fp8 cache with float16 queries for a bfloat16 model (e4m3 converts
+    to float16 in one instruction), with the model's own dtype otherwise; a 16/32-bit cache
+    with queries of its own dtype."""
+    fp8 = jnp.float8_e4m3fn
+    assert kv.query_dtype(fp8, jnp.bfloat16) == jnp.float16
+    assert kv.query_dtype(fp8, jnp.float32) == jnp.float32
+    assert kv.query_dtype(fp8, jnp.float16) == jnp.float16
+    assert kv.query_dtype(jnp.bfloat16, jnp.float32) == jnp.bfloat16
+
+
 def test_fp8_bytes_and_max_batch(monkeypatch):
     """An fp8 cache holds D bytes and a 4-byte scale per token and KV head where bf16 holds
     2 D: the cache's bytes and max_batch follow (1.94x the rows at head_dim 128). The decode
