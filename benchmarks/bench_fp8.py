@@ -5,11 +5,13 @@ Llama-3.1-8B's attention shapes (32 query / 8 KV heads, head_dim 128, pages of 1
           does not fit in the device's memory are listed as skipped), at the kernel's default
           knobs, and for fp8 also at twice the default block_n (the default sizes a K tile
           by q's dtype: a 1-byte tile of the same rows is half the bytes) and with q in
-          float16 (the fp8 tiles then convert to f16 for the dots instead of bf16).
+          float16 (the fp8 tiles then convert to f16 for the dots instead of bf16): the
+          `@q=f16` row is what a bf16 model runs (`cache.query_dtype`).
   kascade `sparse_decode_attention`, Kascade's reuse layer: B=64, 10% of the tokens per KV
           head, a many-to-one head map, 32k.
   delta   `sparse_decode_attention`, DELTA's sparse layer: B=64, 64 pages of 16 shared by
           every head, 32k.
+  The sparse rows' fp8 cases take q in float16, as a bf16 model runs them.
 Every row at full context, the page table a random permutation of the page pool. The fp8
 cache is the bf16 cache's distribution quantized per (page, KV head, slot) as the runtime
 does (`quantize_kv`). Each kernel is first checked against its reference on the first rows
@@ -194,7 +196,8 @@ class Fp8Bench:
         gc.collect()
         want = reference(cache)
         base = default_tuning(batch, cfg["kv_heads"], cfg["head_dim"], cfg["page_size"],
-                              context // cfg["page_size"], jnp.bfloat16)
+                              context // cfg["page_size"], jnp.bfloat16,
+                              kv_dtype=cache["k_pages"].dtype)
         # q in float16 too: e4m3 converts to f16 in one instruction a pair on sm_90, to bf16
         # through f32, so the dots may be cheaper in f16 (q's values fit its range)
         variants = [("dense/fp8", q, {}), ("dense/fp8@q=f16", q.astype(jnp.float16), {})]
@@ -241,8 +244,9 @@ class Fp8Bench:
                 q, page_table=pt, lengths=ln, indices=idx, count=cnt, **c, **opts,
                 backend="pallas", interpret=self.interpret), *args(cache))
 
-        def args(cache):
-            return q, page_table, lengths, indices, count, cache
+        def args(cache):   # float16 queries on an fp8 cache, as cache.query_dtype gives
+            qq = q if cache["k_pages"].dtype == jnp.bfloat16 else q.astype(jnp.float16)
+            return qq, page_table, lengths, indices, count, cache
 
         def reference(cache):
             rows = min(batch, CHECK_ROWS)

@@ -373,7 +373,7 @@ class Rows(list):
 
 def print_table(rows: list[dict], cols=("case", "context", "batch", "ms", "floor_ms", "peer_ms",
                                         "ratio_to_floor", "ratio_to_peer")) -> None:
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols}
+    widths = {c: max([len(c)] + [len(str(r.get(c, ""))) for r in rows]) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols))
     for r in rows:
         print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols))

@@ -40,11 +40,17 @@ def bound_dtype(stored) -> jnp.dtype:
 def _outward(lo: jax.Array, hi: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Lower and upper bounds in `dtype`, lo rounded down and hi up, so that they still bound
     what they bounded (exact where the values are representable)."""
+    info = jnp.finfo(dtype)
+
     def rounded(x, toward):
         if x.dtype == dtype:    # a bf16 cache's keys into bf16 bounds: nothing to round
             return x
-        y = x.astype(dtype)
-        moved = y.astype(x.dtype) > x if toward < 0 else y.astype(x.dtype) < x
+        # x rounded to `dtype`, compared in x's dtype. reduce_precision, not a cast there and
+        # back: XLA on GPU removes such a pair of converts (excess precision), which made
+        # `moved` always False and the bounds round to nearest, inside the keys.
+        near = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        moved = near > x if toward < 0 else near < x
+        y = near.astype(dtype)
         return jnp.where(moved, jnp.nextafter(y, jnp.array(toward, dtype)), y)
     return rounded(lo, -jnp.inf), rounded(hi, jnp.inf)
 
