@@ -22,7 +22,9 @@ per layer). The decode programs share one shape: the prompt keys are right-padde
 longest context (lengths unchanged, so no row reads the padding) and a task decodes its
 longest answer's tokens rounded up to 16, so each (method, budget) compiles once for every
 context and every short-answer task (a long-answer task on which dense passes adds its own),
-ahead of time in a thread pool while the forward passes run.
+ahead of time in a thread pool while the forward passes run. Each program decodes a group of
+rows: all of a task's prompts where its temporaries fit in DECODE_SHARE of the free device
+memory, else fewer (`Decoder`).
 
 Targets the table is read against: every seed method (DELTA, Kascade, Lychee with trained
 gates, and RESA on each) at >= 95% of dense accuracy at a 10% budget on every cell where dense
@@ -76,6 +78,7 @@ DENSE_BAR = 0.75
 TARGET_SHARE = 0.95
 TARGET_RESA_CUT = 0.5
 STEP_BUCKET = 16
+DECODE_SHARE = 0.6          # of the free device memory, for one decode group's programs
 FORWARD_SCORES = 2 ** 27    # attention scores per head a forward chunk holds (rows x T x T)
 
 
@@ -119,16 +122,34 @@ def _step(model, cache, token, *, plan):
 class Decoder:
     """`_start` and `_step` compiled ahead of time for one plan, step count and shapes; called
     as (model, out, first, lengths) -> (tokens [B, steps], {diagnostic: [steps - 1, L, B]}),
-    without stopping at EOS (the score reads the text up to it)."""
+    without stopping at EOS (the score reads the text up to it). The programs take `rows` of
+    the B prompts at a time: the most, halving from B, whose step's temporaries and cache fit
+    in `memory` bytes (None: all B). The diagnostics' dense reference reads the pages beside
+    the kernels, and on a GPU XLA then keeps a copy of the page pool per layer (~30x the
+    cache in the step's temporaries), so 32 prompts of 4k-8k tokens decode in groups."""
 
-    def __init__(self, model, out, first, lengths, plan, steps: int):
+    def __init__(self, model, out, first, lengths, plan, steps: int, memory: int | None = None):
         self.steps = steps
+        rows = first.shape[0]
+        while True:
+            take = lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)  # noqa: E731
+            shapes = (jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                (x.shape[0], rows, *x.shape[2:]), x.dtype), out), take(first), take(lengths))
+            self._compile(model, *shapes, plan, steps)
+            need = max(c.memory_analysis().temp_size_in_bytes for c in (self.start, self.step))
+            need += self.step.memory_analysis().output_size_in_bytes
+            if memory is None or need <= memory or rows == 1:
+                break
+            rows = max(d for d in range(1, rows // 2 + 1) if first.shape[0] % d == 0)
+        self.rows = rows
+
+    def _compile(self, model, out, first, lengths, plan, steps):
         self.start = _start.lower(model, out, lengths, plan=plan, steps=steps).compile()
         cache = jax.eval_shape(functools.partial(_start, plan=plan, steps=steps), model, out,
                                lengths)
         self.step = _step.lower(model, cache, first, plan=plan).compile()
 
-    def __call__(self, model, out, first, lengths):
+    def _group(self, model, out, first, lengths):
         cache, token = self.start(model, out, lengths), first
         tokens, diags = [first], []
         for _ in range(self.steps - 1):
@@ -137,6 +158,15 @@ class Decoder:
             diags.append(diag)
         return (jnp.stack(tokens, axis=1),
                 {k: jnp.stack([d[k] for d in diags]) for k in DIAGNOSTICS})
+
+    def __call__(self, model, out, first, lengths):
+        parts = []
+        for i in range(0, first.shape[0], self.rows):
+            rows = slice(i, i + self.rows)
+            group = jax.tree.map(lambda x: x[:, rows], out)
+            parts.append(self._group(model, group, first[rows], lengths[rows]))
+        return (jnp.concatenate([p[0] for p in parts]),
+                {k: jnp.concatenate([p[1][k] for p in parts], axis=-1) for k in DIAGNOSTICS})
 
 
 def _text_until_eos(tokenizer, ids, eos):
@@ -241,11 +271,17 @@ class Programs:
         ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
         self.lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
         self.out, self.first = jax.eval_shape(_forward, model, ids, self.lengths)
+        # what a decode group may take: a share of the device's free memory, the rest for the
+        # prompt caches (None where the backend does not say, as on CPU)
+        stats = jax.devices()[0].memory_stats() or {}
+        self.memory = (None if "bytes_limit" not in stats else
+                       int(DECODE_SHARE * (stats["bytes_limit"] - stats["bytes_in_use"])))
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
         self.futures = {}
 
     def _build(self, key, steps):
-        return Decoder(self.model, self.out, self.first, self.lengths, self.plans[key], steps)
+        return Decoder(self.model, self.out, self.first, self.lengths, self.plans[key], steps,
+                       self.memory)
 
     def submit(self, key, steps: int) -> None:
         if (key, steps) not in self.futures:

@@ -39,6 +39,20 @@ def test_padded_prompt_cache_decodes_as_the_prompt_width(model, prompts, method)
     assert d_narrow["recall"].min() < 0.999       # the budget really left keys out
 
 
+def test_decoding_in_row_groups_matches_one_group(model, prompts):
+    """A Decoder given too little memory for every row at once decodes them in groups (one
+    row at a time here) with the same tokens and diagnostics."""
+    plan = M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=8).to_plan(CFG)
+    out, first, lens = fidelity_real._prompt_cache(model, prompts, LENGTHS, prompts.shape[1])
+    whole = fidelity_real.Decoder(model, out, first, lens, plan, STEPS)
+    grouped = fidelity_real.Decoder(model, out, first, lens, plan, STEPS, memory=1)
+    assert (whole.rows, grouped.rows) == (len(LENGTHS), 1)
+    (t1, d1), (t2, d2) = whole(model, out, first, lens), grouped(model, out, first, lens)
+    np.testing.assert_array_equal(np.asarray(t2), np.asarray(t1))
+    for key in fidelity_real.DIAGNOSTICS:
+        np.testing.assert_allclose(np.asarray(d2[key]), np.asarray(d1[key]), atol=2e-5)
+
+
 def test_step_bucket():
     class Sample:
         def __init__(self, n):
