@@ -112,6 +112,53 @@ def test_chunk_correction_and_verify_write_the_donated_cache_in_place(deep, meth
     assert cache_copies(keep.lower(deep, cache, tokens).compile(), cache) >= 1
 
 
+def pool_copies(compiled, cache) -> int:
+    """Copy instructions of an array as large as the K cache, in any shape (the layer loop
+    works on the pages flattened to one pool)."""
+    size = int(np.prod(cache.k.shape))
+    count = 0
+    for line in compiled.as_text().splitlines():
+        m = re.search(r"= [a-z0-9]+\[([0-9,]+)\]\{[0-9,]*\} copy\(", line)
+        count += bool(m) and int(np.prod([int(d) for d in m.group(1).split(",")])) == size
+    return count
+
+
+@pytest.mark.parametrize("method", [None, methods.DELTA().scaled_to(8)])
+def test_steps_with_diagnostics_keep_one_cache(deep, method):
+    """Decode steps with diagnostics in a scan (a jitted loop of steps): the diagnostics'
+    dense reference reads the pages the next layer writes, which made XLA copy the whole page
+    pool at every layer (~30x the cache of temporaries on a GPU). Negative control: the loop
+    without the tie of each layer's output to its diagnostics (`layers._after`)."""
+    from sparsejax import layers as L
+    from sparsejax.generate import _decode_step
+
+    model = sparsejax.Model(DEEP, unstack_layers(deep.params))
+    plan = as_plan(method, DEEP, None)
+    cache = cache_shapes(model, plan, 4, 1024)
+    tokens = jnp.zeros((4,), jnp.int32)
+
+    def loop(model, cache, tokens, diagnostics):
+        def body(carry, _):
+            logits, cache, *diag = _decode_step(model, *carry, plan, diagnostics)
+            out = diag[0]["attn_error"] if diagnostics else logits
+            return (cache, jnp.argmax(logits, -1).astype(jnp.int32)), out
+        return jax.lax.scan(body, (cache, tokens), None, length=4)[1]
+
+    def copies(diagnostics):
+        fn = jax.jit(functools.partial(loop, diagnostics=diagnostics), donate_argnums=1)
+        return pool_copies(fn.lower(model, cache, tokens).compile(), cache)
+
+    plain = copies(False)       # the loop's own copy of the carried cache on CPU (K and V)
+    assert plain <= 2
+    assert copies(True) == plain
+    original = L._after
+    try:   # without the tie of h to the diagnostics
+        L._after = lambda h, diag: h
+        assert copies(True) >= plain + DEEP.num_layers - 1
+    finally:
+        L._after = original
+
+
 @pytest.mark.parametrize("layers", ["unrolled", "rolled"])
 def test_generate_holds_one_cache(monkeypatch, layers):
     """generate's cache lives inside the program: one cache of its temporaries, with the
