@@ -112,9 +112,8 @@ def _start(model, out, lengths, *, plan, steps: int):
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnums=1)
 def _step(model, cache, token, *, plan):
-    """One greedy step with its diagnostics (as `generate` with return_diagnostics). A host
-    loop of donated steps, not a scan: inside a scan whose outputs hold each layer's
-    diagnostics, XLA copies the whole page pool at every layer (~28x the cache on an H100)."""
+    """One greedy step with its diagnostics (as `generate` with return_diagnostics), run in a
+    host loop with the cache donated."""
     logits, cache, diag = _decode_step(model, cache, token, plan, True)
     return jnp.argmax(logits, -1).astype(jnp.int32), cache, {k: diag[k] for k in DIAGNOSTICS}
 
@@ -124,9 +123,8 @@ class Decoder:
     as (model, out, first, lengths) -> (tokens [B, steps], {diagnostic: [steps - 1, L, B]}),
     without stopping at EOS (the score reads the text up to it). The programs take `rows` of
     the B prompts at a time: the most, halving from B, whose step's temporaries and cache fit
-    in `memory` bytes (None: all B). The diagnostics' dense reference reads the pages beside
-    the kernels, and on a GPU XLA then keeps a copy of the page pool per layer (~30x the
-    cache in the step's temporaries), so 32 prompts of 4k-8k tokens decode in groups."""
+    in `memory` bytes (None: all B): the diagnostics' dense reference holds a layer's K/V
+    gathered in f32 beside the cache."""
 
     def __init__(self, model, out, first, lengths, plan, steps: int, memory: int | None = None):
         self.steps = steps
