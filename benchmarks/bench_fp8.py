@@ -50,6 +50,7 @@ from bench_sparse_attention import HEAD_MAP, Bench  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kernel_checks import max_row_rel_error, quantize_kv  # noqa: E402
 
+from sparsejax.cache import query_dtype  # noqa: E402
 from sparsejax.pallas_kernels.decode_attention import (  # noqa: E402
     default_tuning, paged_decode_attention, paged_decode_attention_reference)
 from sparsejax.pallas_kernels.sparse_attention import (  # noqa: E402
@@ -244,8 +245,8 @@ class Fp8Bench:
                 q, page_table=pt, lengths=ln, indices=idx, count=cnt, **c, **opts,
                 backend="pallas", interpret=self.interpret), *args(cache))
 
-        def args(cache):   # float16 queries on an fp8 cache, as cache.query_dtype gives
-            qq = q if cache["k_pages"].dtype == jnp.bfloat16 else q.astype(jnp.float16)
+        def args(cache):   # the queries' dtype the runtime reads this cache with
+            qq = q.astype(query_dtype(cache["k_pages"].dtype, q.dtype))
             return qq, page_table, lengths, indices, count, cache
 
         def reference(cache):

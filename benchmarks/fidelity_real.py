@@ -158,6 +158,8 @@ class Decoder:
                 {k: jnp.stack([d[k] for d in diags]) for k in DIAGNOSTICS})
 
     def __call__(self, model, out, first, lengths):
+        if self.rows == first.shape[0]:    # one group: no sliced copy of the prompt cache
+            return self._group(model, out, first, lengths)
         parts = []
         for i in range(0, first.shape[0], self.rows):
             rows = slice(i, i + self.rows)

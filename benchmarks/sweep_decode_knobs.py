@@ -51,7 +51,7 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
     want = jax.jit(lambda q, pt, ln, c: paged_decode_attention_reference(
         q, page_table=pt, lengths=ln, **c))(q[:rows], table, lens, small)
     base = default_tuning(batch, cfg["kv_heads"], cfg["head_dim"], cfg["page_size"],
-                          context // cfg["page_size"], q.dtype)
+                          context // cfg["page_size"], q.dtype, kv_dtype=cache["k_pages"].dtype)
     floor_ms = cache_bytes(batch * context, cfg, kv_dtype) / bandwidth * 1e3
     tried: dict[tuple, dict] = {}
 
