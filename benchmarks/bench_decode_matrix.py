@@ -306,6 +306,9 @@ def main():
                 memory_gib=round(memory / 2**30, 1), skipped=skipped, trace=trace,
                 methods={m: S.method.__doc__ for m in methods[:1]})
     path = harness.write_results(results_name(kv_dtype), rows, kv_dtype=args.kv_dtype, **meta)
+    if not rows:
+        print(f"no cell fits: {skipped}")
+        return
     doc = __import__("json").loads(path.read_text())
     plot(rows, dict(device=doc["device"], jax=doc["jax_version"], date=doc["date"],
                     bandwidth_tb_s=meta["bandwidth_tb_s"]), path.with_suffix(".png"))

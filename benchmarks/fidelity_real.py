@@ -358,6 +358,7 @@ def measure(args) -> dict:
                 cell = run_cell(model, tokenizer, samples, prepared, program,
                                 plans[name, ratio], eos, steps[task])
                 cell.update(method=name, budget_ratio=ratio, context=context, task=task,
+                            device=doc["device_kind"],
                             seconds=round(time.perf_counter() - t1, 2),
                             mean_prompt_tokens=float(np.mean(prepared[2])))
                 if name == "dense":
@@ -475,8 +476,9 @@ def _copy_to_out(paths) -> None:
     if not folder:
         return
     for path in paths:
-        if Path(path).exists():
-            shutil.copy2(path, Path(folder) / Path(path).name)
+        target = Path(folder) / Path(path).name
+        if Path(path).exists() and not (target.exists() and target.samefile(path)):
+            shutil.copy2(path, target)
 
 
 def main(argv=None) -> int:
@@ -509,7 +511,9 @@ def main(argv=None) -> int:
                     else OUT)
     if args.command == "merge":
         docs = [_load(p) for p in args.inputs]
-        cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]): r
+        # each cell keeps the device it ran on (the runs merged may differ)
+        cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]):
+                 {**r, "device": r.get("device") or d.get("device_kind") or d.get("device")}
                  for d in docs for r in d["results"]}
         counts = sorted({len(r["scores"]) for r in cells.values()})   # runs may differ
         doc = dict(docs[0], results=list(cells.values()), merged_from=[p.name for p in

@@ -53,9 +53,15 @@ METHOD_NAMES = ("dense", "delta", "kascade", "lychee", "quest", "delta+resa")
 
 
 def config(name: str):
+    """The shapes of MODELS[name]; "name@N" keeps only N of its layers (a cache that fits one
+    GPU at batches where the whole model's would not)."""
     from sparsejax.models import ModelConfig
 
-    return ModelConfig(**MODELS[name])
+    base, _, layers = name.partition("@")
+    if base not in MODELS or (layers and not layers.isdigit()):
+        raise ValueError(f"model {name!r}: expected one of {sorted(MODELS)}, optionally with "
+                         "@<layers>")
+    return ModelConfig(**{**MODELS[base], **({"num_layers": int(layers)} if layers else {})})
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "dtype", "fuse"))

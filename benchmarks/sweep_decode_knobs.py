@@ -38,7 +38,7 @@ KNOBS = ("block_n", "num_splits", "num_warps", "num_stages")
 
 
 def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bool,
-         bandwidth: float) -> list[dict]:
+         bandwidth: float, stages=STAGES) -> list[dict]:
     heads = shapes.MODELS[model]
     cfg = dict(batch=batch, q_heads=heads["num_heads"], kv_heads=heads["num_kv_heads"],
                head_dim=heads["head_dim"], page_size=16)
@@ -77,7 +77,7 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
         return entry
 
     default = measure(base)
-    grid = [(BLOCK_N[:2], WARPS[1:2], STAGES[:1])] if smoke else [(BLOCK_N, WARPS, STAGES)]
+    grid = [(BLOCK_N[:2], WARPS[1:2], STAGES[:1])] if smoke else [(BLOCK_N, WARPS, stages)]
     for bn, nw, ns in itertools.product(*grid[0]):
         measure({**base, "block_n": bn, "num_warps": nw, "num_stages": ns})
     timed = [e for e in tried.values() if "ms" in e]
@@ -108,6 +108,8 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[32768])
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16")
     p.add_argument("--q-dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--stages", type=int, nargs="+", default=list(STAGES),
+                   help=f"num_stages values swept (default {' '.join(map(str, STAGES))})")
     p.add_argument("--name", default="decode_knobs", help="results/<name>.json")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
@@ -117,7 +119,7 @@ def main():
     rows = []
     for batch, context in itertools.product(a.batch, a.contexts):
         rows += cell(a.model, batch, context, a.kv_dtype, jnp.dtype(a.q_dtype), a.smoke,
-                     bandwidth)
+                     bandwidth, tuple(a.stages))
     picked = [r for r in rows if r["default"] or r["best"]]
     harness.print_table(picked, cols=("case", "context", "batch", *KNOBS, "ms", "floor_ms",
                                       "ratio_to_floor", "default", "best"))
