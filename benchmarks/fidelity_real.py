@@ -516,8 +516,10 @@ def main(argv=None) -> int:
                  {**r, "device": r.get("device") or d.get("device_kind") or d.get("device")}
                  for d in docs for r in d["results"]}
         counts = sorted({len(r["scores"]) for r in cells.values()})   # runs may differ
-        doc = dict(docs[0], results=list(cells.values()), merged_from=[p.name for p in
-                                                                       args.inputs],
+        # the first input's own sources stay listed when it is itself a merge
+        sources = docs[0].get("merged_from", [args.inputs[0].name])
+        doc = dict(docs[0], results=list(cells.values()),
+                   merged_from=[*sources, *(p.name for p in args.inputs[1:])],
                    samples_per_task=counts[0] if len(counts) == 1 else
                    f"{counts[0]}-{counts[-1]}")
     else:
