@@ -6,9 +6,9 @@ fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head,
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
 and reads a K or V tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
 their scales, unapplied. `fold_scales` applies each row's scale past the dot, to the [.., n]
-logits q.k or to the probabilities that weight the V rows (`weigh_values`), not to the
-[n, D] tile: a multiply per logit instead of one per element. `dequantize` is the formula
-itself; the references apply it to the pages they gather (`gather_pages`).
+logits q.k, not to the [n, D] tile: a multiply per logit instead of one per element. Each V
+row's scale enters the online softmax as a logit bias (`online_softmax_step`). `dequantize`
+is the formula itself; the references apply it to the pages they gather (`gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
@@ -286,28 +286,60 @@ def load_fp8(ref, scale_ref, rows, cols, row_mask, dtype):
 
 def fold_scales(x, scale, axis: int):
     """`dequantize` moved past a dot: x [a, b], f32, made from fp8 rows (`load_fp8`) along
-    `axis` -- the logits q.k of the K rows, or the probabilities p that weight the V rows --
-    times each row's scale [n] -> f32. q.(k * s) = (q.k) * s and p.(v * s) = (p * s).v, so
-    the scale costs a multiply per logit, not one per element of the [n, D] tile. scale None
-    (a cache stored in q's dtype): x as it is."""
+    `axis` -- the logits q.k of the K rows -- times each row's scale [n] -> f32.
+    q.(k * s) = (q.k) * s, so the scale costs a multiply per logit, not one per element of
+    the [n, D] tile. scale None (a cache stored in q's dtype): x as it is."""
     if scale is None:
         return x
     return x * (scale[None, :] if axis == 1 else scale[:, None])
 
 
-def weigh_values(p, v, v_scale, dot):
-    """An online softmax's probabilities p [rows, n] f32 times a V tile v [n, D] -> [rows, D]
-    f32, `dot(a, b)` taking a in v's dtype (q's). v_scale None: v as it is. An fp8 tile
-    (`load_fp8`) with its rows' scales [n]: (p * scale) . v (`fold_scales`). In float16 the
-    weights take the scales relative to the block's largest and the dot is times it: scales
-    below float16's normal range (V rows of absmax under ~0.03) would leave p * scale
-    subnormal, its digits lost; bfloat16 and float32 have float32's range."""
-    if v_scale is None:
-        return dot(p.astype(v.dtype), v)
-    if v.dtype != jnp.float16:
-        return dot(fold_scales(p, v_scale, axis=1).astype(v.dtype), v)
-    peak = jnp.maximum(jnp.max(v_scale), jnp.finfo(jnp.float32).tiny)
-    return dot(fold_scales(p, v_scale / peak, axis=1).astype(v.dtype), v) * peak
+# The smallest power of 2 `online_softmax_step` biases the weights by, 2**-40: a V row scaled
+# below it holds values under 448 * 2**-40 (~4e-10); its weight is then overstated by at most
+# that much, its share of the probability mass never.
+MIN_V_SCALE_EXPONENT = -40
+
+
+def _power_of_2_below(scale):
+    """scale [n] f32 (>= 0, finite) -> (e, 2**-e) as f32, e = floor(log2 scale) at least
+    MIN_V_SCALE_EXPONENT, from the float's exponent bits: integer ops only, no MUFU work."""
+    biased = jnp.maximum(lax.shift_right_logical(lax.bitcast_convert_type(scale, jnp.int32), 23),
+                         127 + MIN_V_SCALE_EXPONENT)
+    # an integer below 2**23 in a float's mantissa at exponent 23 is that integer plus 2**23
+    e = lax.bitcast_convert_type(biased | 0x4B000000, jnp.float32) - float(2**23 + 127)
+    return e, lax.bitcast_convert_type((254 - biased) << 23, jnp.float32)
+
+
+def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_rows: bool):
+    """One key block of an online softmax: logits s [rows, n] f32 (-inf where masked; base 2
+    if `base2`, else base e) and the V tile v [n, D] in the dots' dtype (None: the scores
+    alone, acc stays None) folded into the running (acc [rows, D] f32, max m [rows], sum l
+    [rows]); `dot(a, b)` is a @ b with f32 results. `empty_rows`: a row may see no key in
+    the block (all -inf), and its alpha and weights must stay 0, not NaN.
+
+    An fp8 V tile comes with its rows' scales v_scale [n] (`load_fp8`): the power of 2 below
+    each scale, 2**e, enters as a logit bias, w = exp(s + e log 2 - m), the dot takes
+    w * scale / 2**e (at most 2) and l adds w / 2**e. Then acc = sum w (scale / 2**e) v8 and
+    l = sum exp(s - m) describe the dequantized cache's softmax exactly as without scales
+    (out = acc / l, lse = m + log l), and the weights the V dot takes, in v's dtype, are at
+    most 2 whatever the scales: float16 holds them without a per-block rescale (small V rows
+    would otherwise leave p * scale subnormal). m is then the running max of the biased
+    logits. Powers of 2 keep the bias exact and cost integer ops, where log / exp of each
+    scale would load the special-function units that the softmax's exp already does."""
+    exp = jnp.exp2 if base2 else jnp.exp
+    if v_scale is not None:
+        e, inv_pow2 = _power_of_2_below(v_scale)
+        s = s + (e if base2 else e * LN2)[None, :]
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new) if empty_rows else m_new
+    alpha = exp(m - m_shift)
+    w = exp(s - m_shift[:, None])
+    l = alpha * l + jnp.sum(w if v_scale is None else w * inv_pow2[None, :], axis=1)
+    if v_scale is not None:
+        w = w * (v_scale * inv_pow2)[None, :]
+    if v is not None:
+        acc = acc * alpha[:, None] + dot(w.astype(v.dtype), v)
+    return acc, m_new, l
 
 
 def cache_row(page, head, pos, *, kv_heads: int, page_size: int):

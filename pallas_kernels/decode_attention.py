@@ -206,8 +206,25 @@ def _decode_kernel(
         tok, valid = block_tokens(j)
         return plgpu.load(page_table_ref.at[b, tok >> page_shift], mask=valid, other=0)
 
+    def store_logits(j, s, score_max):  # block j's logits relative to score_max [BLOCK_G]
+        tokens = pl.ds(j * block_n, block_n)
+        logits_ref, block_max_ref = logits_refs
+        valid = block_tokens(j)[1]
+        if score == Score.MEAN_QUERY:  # relative to the mean of the rows' running maxes
+            mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
+            mean_max = jnp.sum(jnp.where(row_valid, score_max, 0.0)) / group
+            plgpu.store(logits_ref.at[b, h, tokens], (mean - mean_max).astype(logits_ref.dtype),
+                        mask=valid)
+            plgpu.store(block_max_ref.at[b, h, j], mean_max)
+        else:
+            rows = pl.ds(h * group, BLOCK_G)
+            plgpu.store(logits_ref.at[b, rows, tokens],
+                        (s - score_max[:, None]).astype(logits_ref.dtype),
+                        mask=row_valid[:, None] & valid[None, :])
+            plgpu.store(block_max_ref.at[b, rows, j], score_max, mask=row_valid)
+
     def body(j, carry):
-        acc, m, l, page_ids = carry
+        acc, m, l, score_max, page_ids = carry
         # Fetch the next block's page ids now, so the page-table read is off the K/V path.
         next_page_ids = block_page_ids(j + 1)
         tok, valid = block_tokens(j)
@@ -228,35 +245,24 @@ def _decode_kernel(
         s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
         s = common.fold_scales(s, k_scale, axis=1)
         s = jnp.where(valid[None, :], s, -jnp.inf)
-        # Every visited block holds a valid token, so m_new is finite.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        tokens = pl.ds(j * block_n, block_n)
-        if score == Score.MEAN_QUERY:  # relative to the mean of the rows' running maxes
-            logits_ref, block_max_ref = logits_refs
-            mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
-            mean_max = jnp.sum(jnp.where(row_valid, m_new, 0.0)) / group
-            plgpu.store(logits_ref.at[b, h, tokens], (mean - mean_max).astype(logits_ref.dtype),
-                        mask=valid)
-            plgpu.store(block_max_ref.at[b, h, j], mean_max)
-        elif score is not None:
-            logits_ref, block_max_ref = logits_refs
-            rows = pl.ds(h * group, BLOCK_G)
-            plgpu.store(logits_ref.at[b, rows, tokens],
-                        (s - m_new[:, None]).astype(logits_ref.dtype),
-                        mask=row_valid[:, None] & valid[None, :])
-            plgpu.store(block_max_ref.at[b, rows, j], m_new, mask=row_valid)
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        if values:
-            acc = acc * alpha[:, None] + common.weigh_values(
-                p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
-        return acc, m_new, l, next_page_ids
+        # Every visited block holds a valid token, so the maxes are finite.
+        acc, m_new, l = common.online_softmax_step(
+            s, v if values else None, v_scale, acc, m, l,
+            lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))), base2=False, empty_rows=False)
+        if score is not None:
+            # With fp8 values the softmax's max is of logits biased by V's scales; the scores
+            # keep their own.
+            if score_max is not None:
+                score_max = jnp.maximum(score_max, jnp.max(s, axis=1))
+            store_logits(j, s, m_new if score_max is None else score_max)
+        return acc, m_new, l, score_max, next_page_ids
 
-    acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32)
+    acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32) if values else None
     m = jnp.full((BLOCK_G,), -jnp.inf, jnp.float32)
     l = jnp.zeros((BLOCK_G,), jnp.float32)
-    acc, m, l, _ = lax.fori_loop(first, last, body, (acc, m, l, block_page_ids(first)))
+    score_max = m if score is not None and quantized and values else None
+    acc, m, l, _, _ = lax.fori_loop(first, last, body,
+                                    (acc, m, l, score_max, block_page_ids(first)))
 
     nonempty = l > 0
     l_safe = jnp.where(nonempty, l, 1.0)
@@ -510,9 +516,9 @@ def paged_decode_attention(
       (`topk_select` by its `valid`).
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
       (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel's dots take the fp8 tiles
-      converted to q's dtype (exact) and each token's scale multiplies its logits (K) and the
-      probabilities that weight its values (V), in f32 (`common.fold_scales`); otherwise the
-      same. The reference dequantizes the pages it gathers (f32). None: k/v_pages in q's
+      converted to q's dtype (exact); each token's K scale multiplies its logits in f32
+      (`common.fold_scales`) and its V scale enters the softmax as a logit bias
+      (`common.online_softmax_step`); otherwise the same. The reference dequantizes the pages it gathers (f32). None: k/v_pages in q's
       dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"

@@ -154,19 +154,11 @@ def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot, k_scale=None, v_scale
     fp8 cache's K and V rows come with their scales [block_n] (`common.fold_scales`)."""
     s = dot(q, k, (((1,), (1,)), ((), ()))) * scale  # [rows, block_n], base 2
     s = common.fold_scales(s, k_scale, axis=1)
-    if keep is None:
-        m_new = m_shift = jnp.maximum(m, jnp.max(s, axis=1))
-    else:
+    if keep is not None:  # a row may see no key in a block (causal diagonal, padded rows)
         s = jnp.where(keep, s, -jnp.inf)
-        # A row may see no key in a block (causal diagonal, padded rows): exp2 stays finite.
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    alpha = jnp.exp2(m - m_shift)
-    p = jnp.exp2(s - m_shift[:, None])
-    l = alpha * l + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + common.weigh_values(
-        p, v, v_scale, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))))
-    return acc, m_new, l
+    return common.online_softmax_step(
+        s, v, v_scale, acc, m, l, lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))),
+        base2=True, empty_rows=keep is not None)
 
 
 def _prefill_kernel(
@@ -546,8 +538,8 @@ def paged_prefill_attention(
 
     k_scale, v_scale: an fp8 cache (k/v_pages float8_e4m3fn) gives one float32 scale per
       (page, KV head, slot), shaped k_pages.shape[:-1]. The Pallas kernel's dots take the
-      fp8 tiles in q's dtype (exact) and each token's scale multiplies its logits and the
-      probabilities that weight its values, in f32 (`common.fold_scales`); cuDNN gets the
+      fp8 tiles in q's dtype (exact), each token's K scale multiplies its logits in f32 and
+      its V scale biases them for the values (`common.online_softmax_step`); cuDNN gets the
       gathered rows dequantized to q's dtype; the reference dequantizes the pages it
       gathers (f32).
     backend: "auto" (on a GPU cuDNN for dense bf16/f16 chunks of at least CUDNN_MIN_CHUNK

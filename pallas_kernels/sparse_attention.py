@@ -259,15 +259,10 @@ def _online_softmax(queries: _QueryRows, s, v, v_scale, pos, acc, m, l):
     keep = (pos >= 0)[None, :]
     if queries.row_limit is not None:
         keep = keep & (pos[None, :] < queries.row_limit[:, None])
-    s = jnp.where(keep, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all-masked rows stay exactly 0
-    alpha = jnp.exp2(m - m_shift)
-    p = jnp.exp2(s - m_shift[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + common.weigh_values(
-        p, v, v_scale, functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST))
-    return acc, m_new, l
+    return common.online_softmax_step(
+        jnp.where(keep, s, -jnp.inf), v, v_scale, acc, m, l,
+        functools.partial(plgpu.dot, precision=lax.Precision.HIGHEST), base2=True,
+        empty_rows=True)
 
 
 def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
@@ -642,9 +637,9 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     k_scale      [num_pages, HK, P] f32 | None   an fp8 cache (k/v_pages float8_e4m3fn): one
     v_scale      [num_pages, HK, P] f32 | None   scale per (page, KV head, slot); the dots
                                              take the gathered fp8 rows in q's dtype (exact)
-                                             and each row's scale multiplies its logits and
-                                             the probabilities that weight its values, in
-                                             f32 (`common.fold_scales`); the reference
+                                             and each row's K scale multiplies its logits
+                                             in f32, its V scale biases them for the values
+                                             (`common.online_softmax_step`); the reference
                                              dequantizes the pages it gathers
 
     Returns SparseAttention(out [B, HQ, D] q.dtype, lse [B, HQ] f32, prior) where prior =

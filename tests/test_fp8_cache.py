@@ -95,19 +95,49 @@ def test_scales_folded_past_the_dots_equal_dequantized_tiles():
 
 @pytest.mark.parametrize("dtype,size", [(jnp.bfloat16, 1e-6), (jnp.float16, 1e-4),
                                         (jnp.float16, 1e4), (jnp.float32, 1e-6)])
-def test_weighed_values_keep_their_dtype_precision_far_from_one(dtype, size):
-    """The kernels' V step (`common.weigh_values`: the probabilities times the scales, then
-    the dot in q's dtype) on V rows of absmax ~`size`: within that dtype's rounding of the
-    weights, also where p * scale would fall below float16's normal range."""
+@pytest.mark.parametrize("base2", [False, True])
+def test_online_softmax_over_fp8_values_keeps_dtype_precision_at_any_scale(dtype, size,
+                                                                           base2):
+    """The kernels' online softmax over fp8 V tiles (`common.online_softmax_step`: the power
+    of 2 below each row's scale a logit bias) in two blocks, on V rows of absmax ~`size` spread over 4 decades, with
+    masked keys (logit -inf, scale 0, as `load_fp8` gives them) and one row that sees no key
+    in the first block: out = acc / l and lse = m + log l equal the float64 softmax over the
+    dequantized rows, out within that dtype's rounding of the weights plus, for weights below
+    float16's normal range, a subnormal's rounding (the V dot's weights are at most 2 and l at
+    least 1 / the largest scale, so only terms ~2^14 below the largest go subnormal), plus the
+    float32 rounding of the biased logits (what float32 dots see)."""
     rng = np.random.default_rng(8)
-    x8, scale = kv.quantize_kv(jnp.asarray(rng.standard_normal((32, 64)) * size, jnp.float32))
-    p = rng.uniform(0, 1, (16, 32)).astype(np.float32)
-    deq = np.asarray(common.dequantize(x8, scale), np.float64)
-    got = common.weigh_values(jnp.asarray(p), x8.astype(dtype), scale, functools.partial(
-        jnp.matmul, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32))
+    rows = rng.standard_normal((32, 64)) * size * 10.0 ** rng.uniform(-2, 2, (32, 1))
+    x8, scale = kv.quantize_kv(jnp.asarray(rows, jnp.float32))
+    scale = np.asarray(scale).copy()
+    scale[28:] = 0.0                                        # masked keys
+    s = (rng.standard_normal((16, 32)) * 3).astype(np.float32)
+    s[:, 28:] = -np.inf
+    s[0, :16] = -np.inf                                     # row 0: nothing in block 1
+    deq = np.asarray(common.dequantize(x8, jnp.asarray(scale)), np.float64)
+    p = np.exp(s.astype(np.float64) - s.max(1, keepdims=True))
+    want_lse = np.log(p.sum(1)) + s.max(1)
+    p /= p.sum(1, keepdims=True)
+    dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+    logits = s / np.log(2.0) if base2 else s
+    acc, m, l = jnp.zeros((16, 64)), jnp.full((16,), -jnp.inf), jnp.zeros((16,))
+    for block in (slice(0, 16), slice(16, 32)):
+        acc, m, l = common.online_softmax_step(
+            jnp.asarray(logits[:, block]), x8[block].astype(dtype), jnp.asarray(scale[block]),
+            acc, m, l, dot, base2=base2, empty_rows=True)
+    out = np.asarray(acc / l[:, None], np.float64)
+    lse = np.asarray(m, np.float64) * (np.log(2.0) if base2 else 1.0) + np.log(np.asarray(l))
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-5)
     roundoff = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11, jnp.float32: 2.0**-23}[dtype]
-    err = np.abs(np.asarray(got, np.float64) - p @ deq)
-    assert np.all(err <= 2 * roundoff * (p @ np.abs(deq)))
+    tiny = {jnp.bfloat16: 0.0, jnp.float16: 2.0**-25, jnp.float32: 0.0}[dtype]
+    subnormal = tiny * np.abs(np.asarray(x8.astype(jnp.float32))).sum() * scale.max()
+    # the biased logits' float32 rounding moves each weight by as much, relatively
+    biased = np.abs(s[np.isfinite(s)]).max() + np.abs(np.log(scale[:28])).max()
+    relative = 2 * roundoff + biased * 2.0**-23
+    err = np.abs(out - p @ deq)
+    assert np.all(err <= relative * (p @ np.abs(deq)) + subnormal)
+    assert np.all(np.isfinite(out))
 
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
