@@ -24,12 +24,14 @@ bandwidth measured as a device-to-device copy (`bench_decode_matrix.copy_bandwid
 
   python benchmarks/bench_fp8.py            # GPU -> results/fp8.json (fp8_h100.json on an H100)
   python benchmarks/bench_fp8.py --smoke    # tiny shapes, CPU interpret mode (~1 minute)
+  python benchmarks/bench_fp8.py --sparse-knobs   # the sparse rows' knobs on fp8 (GPU)
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import gc
+import itertools
 import os
 import sys
 import tempfile
@@ -64,6 +66,9 @@ SMOKE = dict(q_heads=8, kv_heads=2, head_dim=64, page_size=16, batches=(2,),
              contexts=(256,), sparse_batch=2, sparse_context=256, delta_pages=4)
 SCALE_BYTES = 4  # one float32 scale per (token, KV head) of K and of V
 OUT_TOL, LSE_TOL = 2e-2, 1e-2  # bf16 rounding of the dequantized tiles included (see tests)
+# --sparse-knobs: the sparse kernel's knobs swept on the fp8 cache (its default tuning's pick
+# is the sweep's row at the defaults)
+SPARSE_KNOBS = dict(block_n=(32, 64, 128), num_warps=(2, 4), num_stages=(2, 3, 4))
 COLUMNS = ("case", "context", "batch", "ms", "floor_ms", "ratio_to_floor", "speedup_vs_bf16",
            "out_err")
 
@@ -112,7 +117,7 @@ def errors(got, want) -> dict:
 
 
 class Fp8Bench:
-    def __init__(self, smoke: bool):
+    def __init__(self, smoke: bool, name: str = NAME):
         self.smoke = smoke
         self.interpret = smoke
         self.cfg = dict(SMOKE if smoke else FULL)
@@ -122,7 +127,8 @@ class Fp8Bench:
         self.bandwidth = 1e11 if smoke else copy_bandwidth()
         memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
         self.memory = int(memory) or (1 << 34)
-        self.rows = harness.Rows(NAME, write=not smoke)   # a cut-off run keeps its rows
+        self.name = harness.per_gpu_name(name)
+        self.rows = harness.Rows(self.name, write=not smoke)   # a cut-off run keeps its rows
         self.skipped: list[dict] = []
         self.failures: list[dict] = []
         print(f"bandwidth {self.bandwidth / 1e12:.3f} TB/s (copy), memory "
@@ -224,8 +230,11 @@ class Fp8Bench:
         gc.collect()
 
     # --- the sparse (gather) kernel --------------------------------------------------------
-    def sparse_case(self, family: str):
+    def sparse_case(self, family: str, kv_dtypes=("bf16", "fp8"), knobs: dict | None = None):
+        """`family`'s sparse layer on each cache of `kv_dtypes`, at the kernel's default knobs
+        or at `knobs` (the row then names them)."""
         cfg, bench = self.cfg, self.sparse
+        knobs = knobs or {}
         batch, context = cfg["sparse_batch"], cfg["sparse_context"]
         q, k, v, page_table, lengths = bench.cache(batch, context)
         if family == "kascade":
@@ -242,7 +251,7 @@ class Fp8Bench:
 
         def kernel():
             return harness.compiled(lambda q, pt, ln, idx, cnt, c: sparse_decode_attention(
-                q, page_table=pt, lengths=ln, indices=idx, count=cnt, **c, **opts,
+                q, page_table=pt, lengths=ln, indices=idx, count=cnt, **c, **opts, **knobs,
                 backend="pallas", interpret=self.interpret), *args(cache))
 
         def args(cache):   # the queries' dtype the runtime reads this cache with
@@ -257,8 +266,8 @@ class Fp8Bench:
                     q[:rows], table, lens, indices[:rows], count[:rows], small)
 
         bf16_ms = None
-        for kv_dtype in ("bf16", "fp8"):
-            case = f"{family}/{kv_dtype}"
+        for kv_dtype in kv_dtypes:
+            case = f"{family}/{kv_dtype}" + "".join(f"@{k_}={v_}" for k_, v_ in knobs.items())
             cache = dict(k_pages=k, v_pages=v) if kv_dtype == "bf16" else to_fp8(k, v)
             try:
                 fn = kernel()
@@ -268,7 +277,7 @@ class Fp8Bench:
                     ms = self.record(case, context, batch, kv_dtype,
                                      cache_bytes(tokens, cfg, kv_dtype), fn, args(cache), err,
                                      bf16_ms, **{k_: v_ for k_, v_ in opts.items()
-                                                 if k_ == "unit"})
+                                                 if k_ == "unit"}, **knobs)
                     bf16_ms = ms if kv_dtype == "bf16" else bf16_ms
             except Exception as e:
                 traceback.print_exc()
@@ -285,6 +294,9 @@ def to_delete(cache: dict, *more):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sparse-knobs", action="store_true",
+                        help="instead: the sparse cases on fp8 over SPARSE_KNOBS -> "
+                             "results/sparse_knobs_fp8.json")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on CPU in interpret mode; results go to a temp dir")
     args = parser.parse_args(argv)
@@ -293,19 +305,25 @@ def main(argv=None):
     if args.smoke:
         harness.RESULTS = Path(tempfile.mkdtemp(prefix="bench_fp8_"))
     start = time.perf_counter()
-    bench = Fp8Bench(args.smoke)
-    for batch in bench.cfg["batches"]:
-        for context in bench.cfg["contexts"]:
-            bench.dense(batch, context)
-            print(f"dense B={batch} @ {context} done ({time.perf_counter() - start:.0f}s)",
-                  flush=True)
-    for family in ("kascade", "delta"):
-        bench.sparse_case(family)
-        print(f"{family} done ({time.perf_counter() - start:.0f}s)", flush=True)
+    bench = Fp8Bench(args.smoke, "sparse_knobs_fp8" if args.sparse_knobs else NAME)
+    if args.sparse_knobs:
+        for family, (block_n, num_warps, num_stages) in itertools.product(
+                ("kascade", "delta"), itertools.product(*SPARSE_KNOBS.values())):
+            bench.sparse_case(family, ("fp8",), dict(block_n=block_n, num_warps=num_warps,
+                                                     num_stages=num_stages))
+    else:
+        for batch in bench.cfg["batches"]:
+            for context in bench.cfg["contexts"]:
+                bench.dense(batch, context)
+                print(f"dense B={batch} @ {context} done ({time.perf_counter() - start:.0f}s)",
+                      flush=True)
+        for family in ("kascade", "delta"):
+            bench.sparse_case(family)
+            print(f"{family} done ({time.perf_counter() - start:.0f}s)", flush=True)
     rows = list(bench.rows)
     shape = {n: bench.cfg[n] for n in ("q_heads", "kv_heads", "head_dim", "page_size")}
     path = harness.write_results(
-        harness.per_gpu_name(NAME), rows, shape=shape, q_dtype="bfloat16",
+        bench.name, rows, shape=shape, q_dtype="bfloat16",
         bandwidth_tb_s=round(bench.bandwidth / 1e12, 3),
         bandwidth_source="device-to-device copy (bytes read + written)",
         skipped=bench.skipped, failures=bench.failures,

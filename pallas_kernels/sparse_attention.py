@@ -414,7 +414,8 @@ def default_splits(row_groups: int, sparse_tokens: int) -> int:
 
 def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tokens: int = 0,
                    *, splits: int | None = None, block_n: int | None = None,
-                   given_logits: bool = False, itemsize: int = 2) -> dict:
+                   given_logits: bool = False, itemsize: int = 2,
+                   fp8_cache: bool = False) -> dict:
     """Static knobs from the shapes (`splits`/`block_n` override the rule, for sweeps).
 
     row_groups: B * HQ (one selection per query head) or B * HK; sparse_tokens: K * unit, the
@@ -427,6 +428,8 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     num_warps: 2 for purely sparse work at D <= 128 (the M=16 dots need no more, and 2 beat
       4 in every Kascade and DELTA case measured), 4 with dense heads, given logits or
       D = 256.
+    num_stages: 2; 4 on an fp8 cache (`fp8_cache`) without given logits, whose half-size
+      tiles leave fewer bytes in flight per stage.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     The measurements are in docs/tuning.md.
     """
@@ -438,8 +441,9 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
     num_warps = 2 if dense_tokens == 0 and head_dim <= 128 and not given_logits else 4
+    num_stages = 4 if fp8_cache and not given_logits else 2
     return {"block_n": block_n, "split_tokens": split, "num_warps": num_warps,
-            "num_stages": 2, "lookahead": 2}
+            "num_stages": num_stages, "lookahead": 2}
 
 
 @functools.partial(
@@ -671,7 +675,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, indices, c
     dense_tokens = 0 if dense_heads is None else page_table.shape[1] * k_pages.shape[2]
     tuning = default_tuning(q.shape[-1], row_groups, indices.shape[2] * unit, dense_tokens,
                             block_n=block_n, given_logits=logits is not None,
-                            itemsize=jnp.dtype(q.dtype).itemsize)
+                            itemsize=jnp.dtype(q.dtype).itemsize,
+                            fp8_cache=k_scale is not None)
     tuning = common.resolve_tuning(tuning, block_n=block_n, split_tokens=split_tokens,
                                    num_warps=num_warps, num_stages=num_stages,
                                    lookahead=lookahead)
