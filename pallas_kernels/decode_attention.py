@@ -518,8 +518,8 @@ def paged_decode_attention(
       (page, KV head, slot), shaped k_pages.shape[:-1]: the kernel's dots take the fp8 tiles
       converted to q's dtype (exact); each token's K scale multiplies its logits in f32
       (`common.fold_scales`) and its V scale enters the softmax as a logit bias
-      (`common.online_softmax_step`); otherwise the same. The reference dequantizes the pages it gathers (f32). None: k/v_pages in q's
-      dtype.
+      (`common.online_softmax_step`); otherwise the same. The reference dequantizes the
+      pages it gathers (f32). None: k/v_pages in q's dtype.
     kv_heads: optional bool mask [HK]: only these KV heads (and their query groups) are
       computed; the others are skipped and get out 0, lse -inf and -inf scores ("max_heads"
       takes the max over the computed heads). None computes every head. A concrete mask

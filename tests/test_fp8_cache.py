@@ -99,13 +99,14 @@ def test_scales_folded_past_the_dots_equal_dequantized_tiles():
 def test_online_softmax_over_fp8_values_keeps_dtype_precision_at_any_scale(dtype, size,
                                                                            base2):
     """The kernels' online softmax over fp8 V tiles (`common.online_softmax_step`: the power
-    of 2 below each row's scale a logit bias) in two blocks, on V rows of absmax ~`size` spread over 4 decades, with
-    masked keys (logit -inf, scale 0, as `load_fp8` gives them) and one row that sees no key
-    in the first block: out = acc / l and lse = m + log l equal the float64 softmax over the
-    dequantized rows, out within that dtype's rounding of the weights plus, for weights below
-    float16's normal range, a subnormal's rounding (the V dot's weights are at most 2 and l at
-    least 1 / the largest scale, so only terms ~2^14 below the largest go subnormal), plus the
-    float32 rounding of the biased logits (what float32 dots see)."""
+    of 2 below each row's scale a logit bias) in two blocks, on V rows of absmax ~`size`
+    spread over 4 decades, with masked keys (logit -inf, scale 0, as `load_fp8` gives them)
+    and one row that sees no key in the first block: out = acc / l and lse = m + log l equal
+    the float64 softmax over the dequantized rows, out within that dtype's rounding of the
+    weights plus, for weights below float16's normal range, a subnormal's rounding (the V
+    dot's weights are at most 2 and l at least 1 / the largest scale, so only terms ~2^14
+    below the largest go subnormal), plus the float32 rounding of the biased logits (what
+    float32 dots see)."""
     rng = np.random.default_rng(8)
     rows = rng.standard_normal((32, 64)) * size * 10.0 ** rng.uniform(-2, 2, (32, 1))
     x8, scale = kv.quantize_kv(jnp.asarray(rows, jnp.float32))
