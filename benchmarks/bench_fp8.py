@@ -323,7 +323,8 @@ def main(argv=None):
     rows = list(bench.rows)
     shape = {n: bench.cfg[n] for n in ("q_heads", "kv_heads", "head_dim", "page_size")}
     path = harness.write_results(
-        bench.name, rows, shape=shape, q_dtype="bfloat16",
+        bench.name, rows, shape=shape,
+        q_dtype="bfloat16; float16 in the @q=f16 rows and the sparse fp8 rows (cache.query_dtype)",
         bandwidth_tb_s=round(bench.bandwidth / 1e12, 3),
         bandwidth_source="device-to-device copy (bytes read + written)",
         skipped=bench.skipped, failures=bench.failures,

@@ -206,10 +206,9 @@ def _decode_kernel(
         tok, valid = block_tokens(j)
         return plgpu.load(page_table_ref.at[b, tok >> page_shift], mask=valid, other=0)
 
-    def store_logits(j, s, score_max):  # block j's logits relative to score_max [BLOCK_G]
+    def store_logits(j, valid, s, score_max):  # block j's logits relative to score_max
         tokens = pl.ds(j * block_n, block_n)
         logits_ref, block_max_ref = logits_refs
-        valid = block_tokens(j)[1]
         if score == Score.MEAN_QUERY:  # relative to the mean of the rows' running maxes
             mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
             mean_max = jnp.sum(jnp.where(row_valid, score_max, 0.0)) / group
@@ -254,7 +253,7 @@ def _decode_kernel(
             # keep their own.
             if score_max is not None:
                 score_max = jnp.maximum(score_max, jnp.max(s, axis=1))
-            store_logits(j, s, m_new if score_max is None else score_max)
+            store_logits(j, valid, s, m_new if score_max is None else score_max)
         return acc, m_new, l, score_max, next_page_ids
 
     acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32) if values else None
