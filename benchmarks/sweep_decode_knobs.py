@@ -38,7 +38,8 @@ KNOBS = ("block_n", "num_splits", "num_warps", "num_stages")
 
 
 def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bool,
-         bandwidth: float, stages=STAGES) -> list[dict]:
+         bandwidth: float, stages=STAGES, warps=WARPS, block_n=BLOCK_N,
+         split_factors=SPLIT_FACTORS) -> list[dict]:
     heads = shapes.MODELS[model]
     cfg = dict(batch=batch, q_heads=heads["num_heads"], kv_heads=heads["num_kv_heads"],
                head_dim=heads["head_dim"], page_size=16)
@@ -77,13 +78,13 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
         return entry
 
     default = measure(base)
-    grid = [(BLOCK_N[:2], WARPS[1:2], STAGES[:1])] if smoke else [(BLOCK_N, WARPS, stages)]
+    grid = [(BLOCK_N[:2], WARPS[1:2], STAGES[:1])] if smoke else [(block_n, warps, stages)]
     for bn, nw, ns in itertools.product(*grid[0]):
         measure({**base, "block_n": bn, "num_warps": nw, "num_stages": ns})
     timed = [e for e in tried.values() if "ms" in e]
     best = min(timed, key=lambda e: e["ms"]) if timed else base
     max_blocks = -(-context // best["block_n"])
-    for f in SPLIT_FACTORS[:1] if smoke else SPLIT_FACTORS:
+    for f in split_factors[:1] if smoke else split_factors:
         splits = max(1, min(max_blocks, int(best["num_splits"] * f)))
         measure({**{n: best[n] for n in KNOBS}, "num_splits": splits})
     timed = [e for e in tried.values() if "ms" in e]
@@ -110,6 +111,13 @@ def main():
     p.add_argument("--q-dtype", choices=("bfloat16", "float16"), default="bfloat16")
     p.add_argument("--stages", type=int, nargs="+", default=list(STAGES),
                    help=f"num_stages values swept (default {' '.join(map(str, STAGES))})")
+    p.add_argument("--warps", type=int, nargs="+", default=list(WARPS),
+                   help=f"num_warps values swept (default {' '.join(map(str, WARPS))})")
+    p.add_argument("--block-n", type=int, nargs="+", default=list(BLOCK_N),
+                   help=f"block_n values swept (default {' '.join(map(str, BLOCK_N))})")
+    p.add_argument("--split-factors", type=float, nargs="+", default=list(SPLIT_FACTORS),
+                   help="split counts tried at the best config, as multiples of its count "
+                        f"(default {' '.join(map(str, SPLIT_FACTORS))})")
     p.add_argument("--name", default="decode_knobs", help="results/<name>.json")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
@@ -119,7 +127,8 @@ def main():
     rows = []
     for batch, context in itertools.product(a.batch, a.contexts):
         rows += cell(a.model, batch, context, a.kv_dtype, jnp.dtype(a.q_dtype), a.smoke,
-                     bandwidth, tuple(a.stages))
+                     bandwidth, tuple(a.stages), tuple(a.warps), tuple(a.block_n),
+                     tuple(a.split_factors))
     picked = [r for r in rows if r["default"] or r["best"]]
     harness.print_table(picked, cols=("case", "context", "batch", *KNOBS, "ms", "floor_ms",
                                       "ratio_to_floor", "default", "best"))

@@ -382,7 +382,13 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     An fp8 cache (`kv_dtype`, the pages' dtype; None: q's), without scores: num_warps=2 and
       num_stages=3, the fastest or within 10% of it at every swept cell (H100, Llama-8B heads,
       B=1 and 64, 32k and 128k: 1.1-1.2x faster than the 16-bit rule;
-      results/decode_knobs_h100.json).
+      results/decode_knobs_h100.json). Once the row groups fill two waves, one warp and
+      32-token blocks: a row's softmax max and sum then stay inside a warp, where with two
+      warps each block synchronised them through shared memory, a cost the half-size fp8
+      tiles no longer hid (H200, B=64, 8k-128k: 4-10% faster; fewer row groups were slower
+      at one warp). Below a wave of row groups, at most 4 waves of programs: four of these
+      programs are resident on an SM, and one split more started a second, partial round
+      (H200, B=8 and 16, 32k and 128k: 1.3-1.5x faster).
     """
     max_tokens = max_pages * page_size
     block_n = min(128, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
@@ -403,6 +409,10 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * wave else 4
     if not scores and kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1:
         num_warps, num_stages = 2, 3
+        if row_groups >= 2 * wave:
+            num_warps, block_n = 1, min(32, block_n)
+        elif row_groups < wave:
+            num_splits = max(1, min(4 * wave // row_groups, max_blocks))
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                 num_stages=num_stages)
 

@@ -526,13 +526,22 @@ def test_default_splits_are_powers_of_2_once_row_groups_fill_the_sms():
 
 
 def test_default_tuning_of_an_fp8_cache():
-    """An fp8 cache without scores: 2 warps and 3 stages at any batch (the H100 sweep); with
+    """An fp8 cache without scores: 3 stages; 2 warps and the 16-bit block below two waves of
+    row groups, 1 warp and 32-token blocks from there (the H200 sweep: B=64 x 8 KV heads on
+    132 SMs), and no more than 4 waves of programs below one wave of row groups; with
     scores, and for 16-bit caches, the rules above."""
     shape = (8, 128, 16, 2048, jnp.float16)
-    for batch in (1, 64):
+    for batch in (1, 16, 32):
         fp8 = default_tuning(batch, *shape, kv_dtype=jnp.float8_e4m3fn)
         assert (fp8["num_warps"], fp8["num_stages"]) == (2, 3)
         assert fp8["block_n"] == default_tuning(batch, *shape)["block_n"]
+    fp8 = default_tuning(64, *shape, kv_dtype=jnp.float8_e4m3fn)
+    assert (fp8["num_warps"], fp8["num_stages"], fp8["block_n"]) == (1, 3, 32)
+    # below a wave of row groups at most 4 waves of programs (bf16: at least 4 waves)
+    splits = lambda b, **kw: default_tuning(b, *shape, **kw)["num_splits"]  # noqa: E731
+    assert [splits(b, kv_dtype=jnp.float8_e4m3fn) for b in (1, 8, 16)] == [66, 8, 4]
+    assert [splits(b) for b in (1, 8, 16)] == [66, 9, 5]
+    assert fp8["num_splits"] == default_tuning(64, *shape)["num_splits"]
     assert default_tuning(64, *shape, scores=True, kv_dtype=jnp.float8_e4m3fn) == default_tuning(
         64, *shape, scores=True)
     assert default_tuning(1, *shape, kv_dtype=jnp.bfloat16) == default_tuning(1, *shape)
@@ -674,6 +683,9 @@ FP8_CORNERS = [  # every score and the scores pass, page boundaries, ragged and 
     _corner(8, 2, 128, 16, 3, [1, 33], "mean_query", jnp.float16, block_n=16),
     _corner(8, 2, 64, 16, 4, [17, 64], "head_probs", jnp.bfloat16, block_n=32),
     _corner(16, 2, 128, 16, 4, [16, 49], "group_sum", jnp.bfloat16, values=False),
+    # the default at two waves of row groups: one warp, 32-token blocks, 3 stages
+    _corner(16, 4, 128, 16, 6, [1, 31, 32, 33, 95], None, jnp.float16, block_n=32,
+            num_splits=2, num_warps=1, num_stages=3),
 ]
 
 
