@@ -119,12 +119,27 @@ def choose_backend(backend: str, unsupported: str | None) -> str:
     return chosen
 
 
+def wraps_offsets(nbytes: int, itemsize: int) -> bool:
+    """Whether a kernel operand of `nbytes` bytes of `itemsize`-byte elements is one whose
+    element offsets Pallas-Triton (jax 0.10-0.11) gets wrong: it indexes an operand with
+    32-bit offsets unless it holds more than 4 GiB, and Triton adds them to the base pointer
+    as signed, so in a 1-byte (fp8) operand of 2-4 GiB the offsets past 2**31 wrap to an
+    illegal address. `cache.allocate` keeps an fp8 pool out of that band."""
+    return itemsize == 1 and 2**31 < nbytes <= 2**32
+
+
 def pallas_support(q, k_pages) -> str | None:
     """Why the paged kernels cannot run these shapes, or None. q [B, HQ, D],
     k_pages [num_pages, HK, P, D]: head_dim in HEAD_DIMS, page size in PAGE_SIZES, a dtype
-    of DTYPES, groups up to MAX_GROUP."""
+    of DTYPES, groups up to MAX_GROUP, and not an fp8 pool of 2-4 GiB (`wraps_offsets`)."""
     _, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
+    itemsize = jnp.dtype(k_pages.dtype).itemsize
+    nbytes = math.prod(k_pages.shape) * itemsize
+    if wraps_offsets(nbytes, itemsize):
+        return (f"k_pages {k_pages.dtype}{list(k_pages.shape)}: {nbytes} bytes, where "
+                "Pallas-Triton's 32-bit offsets into a 1-byte array wrap; expected at most "
+                "2 GiB or more than 4 GiB (`sparsejax.allocate` adds spare pages past 4 GiB)")
     if head_dim not in HEAD_DIMS:
         return f"head_dim={head_dim}: expected one of {HEAD_DIMS}"
     if page_size not in PAGE_SIZES:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax.models import Model, ModelConfig
-from sparsejax.pallas_kernels.common import dequantize
+from sparsejax.pallas_kernels.common import dequantize, wraps_offsets
 
 MAX_PAGE_SIZE = 256
 
@@ -179,7 +179,8 @@ def config_and_dtype(config_or_model, dtype=None):
 
 def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
              page_size: int = 16, dtype=None, kv_copies: int = 1,
-             check_memory: bool = True, kv_dtype=None) -> PagedKVCache:
+             check_memory: bool = True, kv_dtype=None, head_shards: int = 1,
+             page_shards: int = 1) -> PagedKVCache:
     """An empty cache for `batch` rows of up to `capacity` tokens each, on the default device
     (`sparsejax.allocate` lays it out on a mesh). `config_or_model`: a Model (the cache takes
     its dtype unless `dtype` is given) or a ModelConfig (dtype default bfloat16). `kv_dtype`
@@ -189,7 +190,10 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     Row b owns pages [b * max_pages, (b + 1) * max_pages); any permutation of page ids is
     equally valid — the kernels only go through `page_table` (with a "data" mesh axis, within
     each data shard's rows). `kv_copies`: each KV head stored that many times in a row (what a
-    mesh with more model ranks than KV heads needs; a mesh sets it).
+    mesh with more model ranks than KV heads needs; a mesh sets it). An fp8 pool whose bytes
+    per device would be 2-4 GiB gets spare pages that no row owns (`pool_pages`);
+    `head_shards` and `page_shards` (a mesh sets them) say how its heads and pages split
+    over the devices.
 
     Before allocating, refuses (ValueError naming the largest batch that fits) a cache that,
     with the temporaries of filling it and stepping over it (XLA's memory analysis of the
@@ -202,12 +206,18 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
     if capacity < 1:
         raise ValueError(f"capacity={capacity}: expected at least 1 token per row")
     max_pages = -(-capacity // page_size)
-    shape = (config.num_layers, batch * max_pages, config.num_kv_heads * kv_copies, page_size,
+    num_pages = pool_pages(config, batch, max_pages, page_size, stored, kv_copies,
+                           head_shards=head_shards, page_shards=page_shards)
+    shape = (config.num_layers, num_pages, config.num_kv_heads * kv_copies, page_size,
              config.head_dim)
     if check_memory:
         check_fits(config, batch, capacity, page_size=page_size, dtype=dtype,
                    kv_copies=kv_copies, kv_dtype=stored)
     page_table = jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)
+    spare = (num_pages - batch * max_pages) // page_shards
+    if spare:   # each page shard's spare pages follow its rows' pages
+        rows = jnp.arange(batch, dtype=jnp.int32) // (batch // page_shards)
+        page_table = page_table + (rows * spare)[:, None]
     scales = {}
     if is_fp8(stored):
         scales = dict(k_scale=jnp.ones(shape[:-1], jnp.float32),
@@ -216,15 +226,31 @@ def allocate(config_or_model: ModelConfig | Model, batch: int, capacity: int, *,
                         page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32), **scales)
 
 
+def pool_pages(config: ModelConfig, batch: int, max_pages: int, page_size: int, stored,
+               kv_copies: int = 1, *, head_shards: int = 1, page_shards: int = 1) -> int:
+    """Pages in the K (and V) pool of `batch` rows of `max_pages`: batch * max_pages, and for
+    a 1-byte (fp8) pool whose share on each device (every layer; heads split `head_shards`
+    ways, pages `page_shards` ways) would hold 2-4 GiB, where the kernels' 32-bit offsets
+    wrap (`common.wraps_offsets`), spare pages to just past 4 GiB, as many on each page
+    shard. The alternative, reading that pool through the references, is far slower."""
+    pages = batch * max_pages
+    page_bytes = (config.num_layers * config.num_kv_heads * kv_copies // head_shards * page_size
+                  * config.head_dim * jnp.dtype(stored).itemsize)
+    local = pages // page_shards
+    if not wraps_offsets(local * page_bytes, jnp.dtype(stored).itemsize):
+        return pages
+    return pages + page_shards * (2**32 // page_bytes + 1 - local)
+
+
 def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
              dtype=jnp.bfloat16, kv_copies: int = 1, kv_dtype=None) -> int:
     """Bytes of K and V (and an fp8 cache's f32 scales) that `allocate` makes for these
-    arguments."""
+    arguments on one device."""
     stored = resolve_kv_dtype(kv_dtype, dtype)
-    max_pages = -(-capacity // page_size)
+    pages = pool_pages(config, batch, -(-capacity // page_size), page_size, stored, kv_copies)
     per_token = config.head_dim * stored.itemsize + (4 if is_fp8(stored) else 0)
-    return (2 * config.num_layers * batch * max_pages * config.num_kv_heads * kv_copies
-            * page_size * per_token)
+    return (2 * config.num_layers * pages * config.num_kv_heads * kv_copies * page_size
+            * per_token)
 
 
 def cache_bytes(cache: PagedKVCache) -> int:

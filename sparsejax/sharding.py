@@ -311,7 +311,8 @@ def allocate(config: ModelConfig | Model, batch: int, capacity: int, *, mesh=Non
         return cache.allocate(config, batch, capacity, **kwargs)
     config, kwargs["dtype"] = cache.config_and_dtype(config, kwargs.get("dtype"))
     check_mesh(mesh, config, batch)
-    make = lambda: cache.allocate(config, batch, capacity,  # noqa: E731
-                                  kv_copies=kv_copies(config, mesh), **kwargs)
+    make = lambda: cache.allocate(  # noqa: E731
+        config, batch, capacity, kv_copies=kv_copies(config, mesh), head_shards=model_size(mesh),
+        page_shards=data_size(mesh), **kwargs)
     specs = cache_specs(jax.eval_shape(make), config, mesh)
     return jax.jit(make, out_shardings=_named(specs, mesh))()

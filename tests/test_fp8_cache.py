@@ -5,6 +5,7 @@ fp8 against bf16 logits, capacity and refused kv_dtype values. (Sharded equals u
 with fp8: test_sharding.py.)"""
 import functools
 import importlib
+import math
 import re
 
 import jax
@@ -237,6 +238,84 @@ def test_fp8_bytes_and_max_batch(monkeypatch):
     assert b8 >= 1.9 * b16
 
 
+LLAMA_8B_KV = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=32,
+                          num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=48)
+
+
+@pytest.mark.parametrize("batch,capacity,spare", [
+    (1, 65536, 0),                      # 2 GiB of fp8 K exactly: offsets still below 2**31
+    (1, 65537, 8193 - 4097),            # just past 2 GiB: spare pages to just past 4 GiB
+    (2, 50000, 8193 - 2 * 3125),
+    (1, 131072, 1),                     # 4 GiB exactly: one page more
+    (1, 131089, 0),                     # past 4 GiB: Pallas widens its offsets itself
+])
+def test_an_fp8_pool_of_2_to_4_gib_gets_spare_pages(batch, capacity, spare):
+    """Pallas-Triton indexes a kernel operand with 32-bit element offsets unless it holds more
+    than 4 GiB, and Triton adds them as signed: in an fp8 K or V pool of 2-4 GiB the offsets
+    past 2**31 point before the array (an illegal address on the GPU; Llama-8B's shapes at
+    64k-128k tokens). allocate gives such a pool spare pages to just past 4 GiB, which no row
+    owns; kv_bytes counts them; a bf16 pool of the same tokens keeps its pages (its element
+    offsets stay below 2**31 up to 4 GiB). Shapes only (`jax.eval_shape`)."""
+    make = lambda kv_dtype, **kw: jax.eval_shape(lambda: kv.allocate(  # noqa: E731
+        LLAMA_8B_KV, batch, capacity, dtype=jnp.bfloat16, kv_dtype=kv_dtype,
+        check_memory=False, **kw))
+    max_pages = -(-capacity // 16)
+    fp8, bf16 = make("fp8"), make("bf16")
+    assert fp8.k.shape[1] == fp8.v.shape[1] == batch * max_pages + spare
+    assert fp8.k_scale.shape[1] == fp8.k.shape[1]
+    assert bf16.k.shape[1] == batch * max_pages
+    assert fp8.page_table.shape == (batch, max_pages)
+    nbytes = math.prod(fp8.k.shape)
+    assert not common.wraps_offsets(nbytes, 1)
+    assert spare == 0 or nbytes - 2**32 <= 32 * 8 * 16 * 128   # at most a page past 4 GiB
+    assert kv.cache_bytes(fp8) == kv.kv_bytes(LLAMA_8B_KV, batch, capacity, kv_dtype="fp8")
+    # split over 2 devices' heads and 2 page shards: each device's share is what is checked
+    shards = make("fp8", head_shards=2, page_shards=2) if batch == 2 else None
+    if shards is not None:
+        assert shards.k.shape[1] == batch * max_pages   # 0.8 GiB a device: nothing to add
+
+
+def test_spare_pages_follow_each_page_shards_rows():
+    """With pages split over data shards, each shard's rows own the first pages of its share
+    and its spare pages follow them, so no row's pages leave its shard."""
+    cache = jax.eval_shape(lambda: kv.allocate(LLAMA_8B_KV, 4, 40000, dtype=jnp.bfloat16,
+                                               kv_dtype="fp8", check_memory=False,
+                                               page_shards=2))
+    max_pages, shard = 2500, cache.k.shape[1] // 2
+    assert shard > 2 * max_pages and cache.k.shape[1] % 2 == 0
+    table = np.asarray(jax.jit(lambda: kv.allocate(
+        ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, num_layers=1,
+                    num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=48),
+        4, 64, dtype=jnp.bfloat16, kv_dtype="fp8", check_memory=False,
+        page_shards=2).page_table)())
+    np.testing.assert_array_equal(table, np.arange(16).reshape(4, 4))   # no spare: as before
+
+
+@pytest.mark.parametrize("kernel", ["decode", "sparse", "prefill"])
+def test_kernels_leave_an_fp8_pool_of_2_to_4_gib_to_the_references(kernel):
+    """backend="pallas" refuses such a pool naming its bytes; "auto" runs the reference."""
+    S = jax.ShapeDtypeStruct
+    pages = S((140000, 8, 16, 128), jnp.float8_e4m3fn)   # 2.29e9 bytes
+    assert common.wraps_offsets(math.prod(pages.shape), 1)
+    q, small = S((1, 32, 128), jnp.float16), S((1,), jnp.int32)
+    args = [q, pages, pages, S((1, 8), jnp.int32), small]
+    if kernel == "decode":
+        from sparsejax.pallas_kernels.decode_attention import paged_decode_attention as f
+    elif kernel == "sparse":
+        from sparsejax.pallas_kernels.sparse_attention import sparse_decode_attention as f
+        f = functools.partial(f, unit=16)
+        args += [S((1, 8, 4), jnp.int32), S((1, 8), jnp.int32)]
+    else:
+        from sparsejax.pallas_kernels.prefill_attention import paged_prefill_attention as f
+        args[0] = S((1, 16, 32, 128), jnp.float16)
+        args.append(small)
+    scale = S(pages.shape[:-1], jnp.float32)
+    call = lambda *a, **kw: f(*a[:-1], k_scale=a[-1], v_scale=a[-1], **kw).out  # noqa: E731
+    with pytest.raises(ValueError, match=r"2293760000 bytes, where Pallas-Triton"):
+        jax.eval_shape(functools.partial(call, backend="pallas", interpret=False), *args, scale)
+    assert jax.eval_shape(functools.partial(call, backend="auto"), *args, scale).shape[-1] == 128
+
+
 # ---- the embedded model ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedded():
@@ -412,3 +491,47 @@ def test_command_line_generates_over_an_fp8_cache(capsys):
     assert cli.main(["generate", "--prompt", prompt, "--method", "delta", "--kv-dtype", "fp8",
                      "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("39 20 34")
+
+
+@pytest.mark.gpu
+def test_kernels_read_the_last_layer_of_a_padded_fp8_pool():
+    """An fp8 pool that would be 3 GiB (Llama-8B's K heads, 32 layers, 96k tokens of one row),
+    as allocate lays it out past 4 GiB: the dense and sparse kernels read the last layer's
+    pages, whose offsets pass 2**31, as their references do (unpadded, they ran to an
+    illegal address)."""
+    from sparsejax.pallas_kernels.decode_attention import (
+        paged_decode_attention, paged_decode_attention_reference)
+    from sparsejax.pallas_kernels.sparse_attention import (
+        sparse_decode_attention, sparse_decode_attention_reference)
+    cache = kv.allocate(LLAMA_8B_KV, 1, 96 * 1024, dtype=jnp.bfloat16, kv_dtype="fp8",
+                        check_memory=False)
+    pages = kv.flat_pages(cache)
+    del cache
+    assert math.prod(pages.k.shape) > 2**32
+    # fill the last layer's rows of the pool's first 4096 pages (the row's pages at layer 31)
+    layer, used = LLAMA_8B_KV.num_layers - 1, 4096
+    offset = layer * pages.k.shape[0] // LLAMA_8B_KV.num_layers
+    keys = jax.random.split(jax.random.key(5), 2)
+    k16, v16 = (jax.random.normal(key, (used,) + pages.k.shape[1:], jnp.float32)
+                for key in keys)
+    (kq, ks), (vq, vs) = kv.quantize_kv(k16), kv.quantize_kv(v16)
+    pages = kv.KVPages(pages.k.at[offset:offset + used].set(kq),
+                       pages.v.at[offset:offset + used].set(vq),
+                       pages.k_scale.at[offset:offset + used].set(ks),
+                       pages.v_scale.at[offset:offset + used].set(vs))
+    table = (offset + jnp.arange(used, dtype=jnp.int32))[None]
+    lengths = jnp.array([used * 16 - 5], jnp.int32)
+    q = jax.random.normal(jax.random.key(6), (1, 32, 128), jnp.float16)
+    args = (q, pages.k, pages.v, table, lengths)
+    scales = dict(k_scale=pages.k_scale, v_scale=pages.v_scale)
+    got = paged_decode_attention(*args, **scales, backend="pallas")
+    want = paged_decode_attention_reference(*args, **scales)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32),
+                               rtol=0, atol=2e-2)
+    picked = jnp.arange(0, used, 37, dtype=jnp.int32)   # pages of the row, each KV head
+    indices = jnp.broadcast_to(picked, (1, 8, picked.shape[0]))
+    count = jnp.full((1, 8), picked.shape[0], jnp.int32)
+    got = sparse_decode_attention(*args, indices, count, unit=16, **scales, backend="pallas")
+    want = sparse_decode_attention_reference(*args, indices, count, unit=16, **scales)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=0, atol=2e-3)
