@@ -245,7 +245,7 @@ def pool_pages(config: ModelConfig, batch: int, max_pages: int, page_size: int, 
 def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
              dtype=jnp.bfloat16, kv_copies: int = 1, kv_dtype=None) -> int:
     """Bytes of K and V (and an fp8 cache's f32 scales) that `allocate` makes for these
-    arguments on one device."""
+    arguments without a mesh."""
     stored = resolve_kv_dtype(kv_dtype, dtype)
     pages = pool_pages(config, batch, -(-capacity // page_size), page_size, stored, kv_copies)
     per_token = config.head_dim * stored.itemsize + (4 if is_fp8(stored) else 0)
