@@ -119,13 +119,17 @@ def choose_backend(backend: str, unsupported: str | None) -> str:
     return chosen
 
 
+# Pallas-Triton widens a kernel operand's element offsets to 64 bits only past this many bytes
+WIDE_OFFSETS_PAST = 2**32
+
+
 def wraps_offsets(nbytes: int, itemsize: int) -> bool:
     """Whether a kernel operand of `nbytes` bytes of `itemsize`-byte elements is one whose
     element offsets Pallas-Triton (jax 0.10-0.11) gets wrong: it indexes an operand with
     32-bit offsets unless it holds more than 4 GiB, and Triton adds them to the base pointer
     as signed, so in a 1-byte (fp8) operand of 2-4 GiB the offsets past 2**31 wrap to an
     illegal address. `cache.allocate` keeps an fp8 pool out of that band."""
-    return itemsize == 1 and 2**31 < nbytes <= 2**32
+    return itemsize == 1 and WIDE_OFFSETS_PAST // 2 < nbytes <= WIDE_OFFSETS_PAST
 
 
 def pallas_support(q, k_pages) -> str | None:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax.models import Model, ModelConfig
-from sparsejax.pallas_kernels.common import dequantize, wraps_offsets
+from sparsejax.pallas_kernels.common import WIDE_OFFSETS_PAST, dequantize, wraps_offsets
 
 MAX_PAGE_SIZE = 256
 
@@ -233,13 +233,13 @@ def pool_pages(config: ModelConfig, batch: int, max_pages: int, page_size: int, 
     ways, pages `page_shards` ways) would hold 2-4 GiB, where the kernels' 32-bit offsets
     wrap (`common.wraps_offsets`), spare pages to just past 4 GiB, as many on each page
     shard. The alternative, reading that pool through the references, is far slower."""
-    pages = batch * max_pages
+    pages, itemsize = batch * max_pages, jnp.dtype(stored).itemsize
     page_bytes = (config.num_layers * config.num_kv_heads * kv_copies // head_shards * page_size
-                  * config.head_dim * jnp.dtype(stored).itemsize)
+                  * config.head_dim * itemsize)
     local = pages // page_shards
-    if not wraps_offsets(local * page_bytes, jnp.dtype(stored).itemsize):
+    if not wraps_offsets(local * page_bytes, itemsize):
         return pages
-    return pages + page_shards * (2**32 // page_bytes + 1 - local)
+    return pages + page_shards * (WIDE_OFFSETS_PAST // page_bytes + 1 - local)
 
 
 def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
