@@ -198,24 +198,39 @@ def attention_inputs(config: ModelConfig, lp: Params, h: jax.Array, positions: j
 
     h [..., H], positions [...] -> q [..., HQ, D], k [..., HK, D], v [..., HK, D]
     """
-    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
     if "wqkv" in lp:
-        qkv = _dot("...h,hnd->...nd", x, lp["wqkv"])
-        if config.qkv_bias:
-            qkv = qkv + lp["bqkv"]
-        q, k, v = jnp.split(qkv, [config.num_heads, config.num_heads + config.num_kv_heads],
-                            axis=-2)
+        q, k, v = split_qkv(config, qkv_projection(config, lp, h))
     else:
-        q = _dot("...h,hnd->...nd", x, lp["wq"])
-        k = _dot("...h,hnd->...nd", x, lp["wk"])
-        v = _dot("...h,hnd->...nd", x, lp["wv"])
+        x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+        q, k, v = (_dot("...h,hnd->...nd", x, lp[name]) for name in ("wq", "wk", "wv"))
         if config.qkv_bias:
             q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k = position_heads(config, lp, q, k, *rope_angles(config, positions))
+    return q, k, v
+
+
+def qkv_projection(config: ModelConfig, lp: Params, h: jax.Array) -> jax.Array:
+    """Pre-norm, the fused q/k/v projection (`lp["wqkv"]`, the per-layer layout) and its
+    optional bias: h [..., H] -> [..., HQ + 2 HK, D], the query heads, then the key heads,
+    then the value heads."""
+    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
+    qkv = _dot("...h,hnd->...nd", x, lp["wqkv"])
+    return qkv + lp["bqkv"] if config.qkv_bias else qkv
+
+
+def split_qkv(config: ModelConfig, qkv: jax.Array):
+    """[..., HQ + 2 HK, D] -> q [..., HQ, D], k [..., HK, D], v [..., HK, D]."""
+    return jnp.split(qkv, [config.num_heads, config.num_heads + config.num_kv_heads], axis=-2)
+
+
+def position_heads(config: ModelConfig, lp: Params, q: jax.Array, k: jax.Array,
+                   cos: jax.Array, sin: jax.Array):
+    """q, k with their optional per-head RMSNorm (Qwen3's q/k norm), then RoPE (`cos`, `sin`
+    of `rope_angles`)."""
     if config.qk_norm:
         q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
-    cos, sin = rope_angles(config, positions)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 def finish_layer(config: ModelConfig, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:

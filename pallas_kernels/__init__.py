@@ -3,8 +3,11 @@
 `backend="auto"` runs the Pallas kernel on GPU and the reference elsewhere; dense bf16/f16
 prefill chunks of 512+ queries take cuDNN on a GPU (`prefill_attention.CUDNN_MIN_CHUNK`).
 Every paged kernel also reads an fp8 (float8_e4m3fn) cache given its `k_scale`/`v_scale`
-(`common.check_kv_scales`, `common.dequantize`).
+(`common.check_kv_scales`, `common.dequantize`), which `write_tokens` writes into the pages
+(`common.quantize`).
 """
+from .cache_write import (rope_and_write, rope_and_write_reference, write_tokens,
+                          write_tokens_reference)
 from .decode_attention import (DecodeAttention, LogitRows, paged_decode_attention,
                                paged_decode_attention_reference, pool_logit_rows)
 from .page_bound import quest_page_bound, quest_page_bound_reference
@@ -21,6 +24,7 @@ __all__ = [
     "paged_decode_attention", "paged_decode_attention_reference", "paged_prefill_attention",
     "paged_prefill_attention_reference", "paged_tile_scores", "paged_tile_scores_reference",
     "pool_logit_rows", "quest_page_bound", "quest_page_bound_reference", "ratio_budget",
-    "sparse_decode_attention", "sparse_decode_attention_reference", "threshold_budget",
-    "top_p_budget", "topk_select", "topk_select_reference",
+    "rope_and_write", "rope_and_write_reference", "sparse_decode_attention", "sparse_decode_attention_reference", "threshold_budget",
+    "top_p_budget", "topk_select", "topk_select_reference", "write_tokens",
+    "write_tokens_reference",
 ]

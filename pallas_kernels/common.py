@@ -262,6 +262,19 @@ def check_kv_scales(k_pages, v_pages, k_scale, v_scale) -> bool:
     return k_scale is not None
 
 
+FP8_MAX = 448.0   # float8_e4m3fn's largest finite value
+
+
+def quantize(x):
+    """x [..., D] -> (x_fp8 [..., D] float8_e4m3fn, scale [...] f32): scale = absmax over the
+    last axis / 448 (at least the smallest normal f32, so an all-zero vector stays zero),
+    x_fp8 = x / scale rounded to nearest even. The one formula of the fp8 cache's writes, in
+    the cache-write kernel and in jnp alike; `dequantize` inverts it to e4m3's precision."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1) / FP8_MAX, jnp.finfo(jnp.float32).tiny)
+    return (xf / scale[..., None]).astype(FP8), scale
+
+
 def dequantize(x, scale, dtype=jnp.float32):
     """fp8 values x [..., D] and their scales [...] -> x * scale, f32 math, as `dtype`. The one
     formula of the fp8 cache: the references apply it to the pages they gather, the kernels

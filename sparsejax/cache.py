@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax.models import Model, ModelConfig
-from sparsejax.pallas_kernels.common import WIDE_OFFSETS_PAST, dequantize, wraps_offsets
+from sparsejax.pallas_kernels.cache_write import write_tokens
+from sparsejax.pallas_kernels.common import (WIDE_OFFSETS_PAST, dequantize, quantize,
+                                            wraps_offsets)
 
 MAX_PAGE_SIZE = 256
 
 FP8 = jnp.dtype(jnp.float8_e4m3fn)
-FP8_MAX = 448.0        # float8_e4m3fn's largest finite value
 # kv_dtype's accepted names -> the stored dtype (None: the model's dtype)
 KV_DTYPES = {"auto": None, "bf16": jnp.dtype(jnp.bfloat16), "bfloat16": jnp.dtype(jnp.bfloat16),
              "f32": jnp.dtype(jnp.float32), "float32": jnp.dtype(jnp.float32),
@@ -59,11 +60,9 @@ def is_fp8(dtype) -> bool:
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (x_fp8 [..., D] float8_e4m3fn, scale [...] f32): scale = absmax over the
-    last axis / 448 (at least the smallest normal f32, so an all-zero vector stays zero),
-    x_fp8 = x / scale rounded to nearest even. `dequantize_kv` inverts it to e4m3's precision."""
-    xf = x.astype(jnp.float32)
-    scale = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1) / FP8_MAX, jnp.finfo(jnp.float32).tiny)
-    return (xf / scale[..., None]).astype(FP8), scale
+    last axis / 448, x_fp8 = x / scale rounded to nearest even (`common.quantize`).
+    `dequantize_kv` inverts it to e4m3's precision."""
+    return quantize(x)
 
 
 def dequantize_kv(x_fp8: jax.Array, scale: jax.Array) -> jax.Array:
@@ -388,39 +387,35 @@ def replicate_kv_heads(x: jax.Array, heads: int, axis: int) -> jax.Array:
 
 
 def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,
-                 lengths: jax.Array) -> PagedKVCache:
-    """Write every layer's prompt keys/values [L, B, T, HK, D] and set `lengths` [B]."""
+                 lengths: jax.Array, backend: str = "auto") -> PagedKVCache:
+    """Write every layer's prompt keys/values [L, B, T, HK, D] and set `lengths` [B]
+    (`backend` as `write_token` takes it)."""
     L, B, T = keys.shape[:3]
     page, slot = token_address(cache.page_table, jnp.broadcast_to(jnp.arange(T), (B, T)),
                                cache.page_size)
-    layer = jnp.arange(L)[:, None, None]
-    keys, values = (replicate_kv_heads(x, cache.k.shape[2], axis=3) for x in (keys, values))
-    at = (layer, page[None], slice(None), slot[None])
-    stored = _set_kv(KVPages(cache.k, cache.v, cache.k_scale, cache.v_scale), at, keys, values)
-    return cache.replace(k=stored.k, v=stored.v, k_scale=stored.k_scale, v_scale=stored.v_scale,
-                         lengths=lengths.astype(jnp.int32))
+    pages = layer_page_ids(page[None], jnp.arange(L)[:, None, None], cache.num_pages)
+    stored = write_token(flat_pages(cache), pages, jnp.broadcast_to(slot, pages.shape), keys,
+                         values, backend=backend)
+    return with_pages(cache, stored).replace(lengths=lengths.astype(jnp.int32))
 
 
-def _set_kv(kv: KVPages, at, k: jax.Array, v: jax.Array, mode: str | None = None) -> KVPages:
-    """k, v written at index `at` of the cache arrays: cast, or quantized with their scales
-    written at the same index for an fp8 cache."""
-    if kv.k_scale is None:
-        return KVPages(kv.k.at[at].set(k.astype(kv.k.dtype), mode=mode),
-                       kv.v.at[at].set(v.astype(kv.v.dtype), mode=mode))
-    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
-    return KVPages(kv.k.at[at].set(k8, mode=mode), kv.v.at[at].set(v8, mode=mode),
-                   kv.k_scale.at[at].set(ks, mode=mode), kv.v_scale.at[at].set(vs, mode=mode))
+def write_backend(model: Model) -> str:
+    """How a model's steps write the cache: the kernel (on a GPU), or under a mesh XLA's
+    scatters, which the partitioner splits over the devices (a Pallas call it cannot)."""
+    return "auto" if model.mesh is None else "reference"
 
 
 def write_token(kv: KVPages, pages: jax.Array, slots: jax.Array, k: jax.Array,
-                v: jax.Array) -> KVPages:
+                v: jax.Array, backend: str = "auto") -> KVPages:
     """Write tokens into flattened layer pages (see `flat_pages`), quantized for an fp8 cache.
 
     pages, slots [B, ...] physical addresses already offset to the layer; k, v [B, ..., HK, D].
-    Tokens whose page is out of range (>= the number of pages) are dropped. Scatters (the
-    scales' with the same addresses), which XLA updates in place where the cache is donated
-    or carried (the compiled step's memory analysis: no cache-sized temporary;
-    tests/test_memory.py).
+    Tokens whose page is out of range (>= the number of pages) are dropped. One Pallas kernel
+    on a GPU (`pallas_kernels.write_tokens`), XLA scatters elsewhere; either updates the pools
+    in place where the cache is donated or carried (the compiled step's memory analysis: no
+    cache-sized temporary; tests/test_memory.py). `backend="reference"` keeps the scatters,
+    which XLA partitions over a mesh.
     """
     k, v = (replicate_kv_heads(x, kv.k.shape[1], axis=-2) for x in (k, v))
-    return _set_kv(kv, (pages, slice(None), slots), k, v, mode="drop")
+    return KVPages(*write_tokens(kv.k, kv.v, pages, slots, k, v, k_scale=kv.k_scale,
+                                 v_scale=kv.v_scale, backend=backend))

@@ -76,7 +76,8 @@ def extend_layers(model: Model, cache: kv.PagedKVCache, h: jax.Array, start: jax
         offset = layer * cache.num_pages
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, h, positions)
-        cached = kv.write_token(cached, offset + pages, slots, k, v)
+        cached = kv.write_token(cached, offset + pages, slots, k, v,
+                                backend=kv.write_backend(model))
         table = cache.page_table + offset
         role = None if tile is None else plan.roles[layer]
         mapped = None

@@ -87,7 +87,7 @@ def _prefill(model, cache, input_ids, lengths, plan, chunk=None):
         return chunked_prefill(model, cache, input_ids, lengths, plan, chunk)
     kv.check_capacity(cache, input_ids.shape[1], "the prompt")
     out = forward(model, input_ids, lengths)
-    cache = kv.write_prompt(cache, out.keys, out.values, lengths)
+    cache = kv.write_prompt(cache, out.keys, out.values, lengths, kv.write_backend(model))
     cache = cache.replace(state=prefill_state(model, cache, out, plan))
     last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return unembed(model, last), cache

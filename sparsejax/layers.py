@@ -26,11 +26,13 @@ import numpy as np
 from sparsejax import method_state, resa, selection, sharded_attention
 from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat_pages,
                              layer_page_ids, query_dtype, token_address, with_pages,
-                             write_token)
+                             write_backend, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
+from sparsejax.models.decoder import qkv_projection, rope_angles
 from sparsejax.models.decoder import ForwardOutput
-from sparsejax.pallas_kernels import paged_decode_attention, sparse_decode_attention
+from sparsejax.pallas_kernels import (paged_decode_attention, rope_and_write,
+                                     sparse_decode_attention)
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Attended, Role, Score, Selection, SparsePlan, attended_head_map
 
@@ -45,6 +47,7 @@ class StepContext(NamedTuple):
     capacity: int           # tokens per row the cache holds (static)
     head_map: jax.Array     # [L, HK] int32
     retrieval: jax.Array    # [L, HK] bool
+    rope: tuple             # (cos, sin) [B, D] f32 of `positions`, shared by every layer
 
 
 class Carry(NamedTuple):
@@ -94,7 +97,7 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
     pages, slots = token_address(cache.page_table, cache.lengths, cache.page_size)
     head_map, retrieval = _tables(plan, c)
     ctx = StepContext(cache.lengths, cache.lengths + 1, pages, slots, cache.page_table,
-                      cache.capacity, head_map, retrieval)
+                      cache.capacity, head_map, retrieval, rope_angles(c, cache.lengths))
     sel = (selection.empty_selection(plan, c, B, cache.capacity) if plan.selector is not None
            else Selection.empty(B, 1, 1))
     carry = Carry(h, flat_pages(cache), sel, cache.state)
@@ -122,17 +125,14 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
            static_layer: int | None, ctx: StepContext, num_pages: int, diagnostics: bool):
     c = model.config
     lp = layer_params(model.params, layer)
-    with jax.named_scope("qkv"):
-        q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
-    with jax.named_scope("cache_write"):
-        kv = write_token(carry.kv, layer_page_ids(ctx.pages, layer, num_pages), ctx.slots, k, v)
+    q, kv, k, v = _project_and_write(model, lp, carry, ctx, layer_page_ids(ctx.pages, layer,
+                                                                           num_pages),
+                                     positioned_kv=plan.selector is not None)
     state = carry.state
     if plan.selector is not None:   # the state describes the token as cached
         state = method_state.update_state(plan, state, layer, ctx, as_stored(k, kv.k.dtype),
                                           as_stored(v, kv.v.dtype))
     table = layer_page_ids(ctx.page_table, layer, num_pages)
-    # a cache stored in another float dtype than the model's is read with queries of its own
-    q = q.astype(query_dtype(kv.k.dtype, q.dtype))
     at = LayerContext(ctx, layer, q, kv.k, kv.v, table, state, static_layer,
                       k_scale=kv.k_scale, v_scale=kv.v_scale)
     attend = _attend if model.mesh is None else sharded_attention.decode_attention(_attend, model.mesh)
@@ -148,6 +148,33 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
         diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
         h = _after(h, diag)
     return Carry(h, kv, sel, state), diag
+
+
+def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: jax.Array,
+                       positioned_kv: bool):
+    """The layer's q/k/v from its input, K and V written into the cache -> (q [B, HQ, D] in
+    the attention's dtype (`query_dtype`), the cache, and k, v [B, HK, D] as the model
+    computed them, or None unless `positioned_kv`). With the fused q/k/v weight (the
+    per-layer layout) the heads' split, q/k norm, RoPE and the write are one kernel on a GPU
+    (`pallas_kernels.rope_and_write`)."""
+    c, backend = model.config, write_backend(model)
+    if "wqkv" not in lp:
+        with jax.named_scope("qkv"):
+            q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
+        with jax.named_scope("cache_write"):
+            kv = write_token(carry.kv, pages, ctx.slots, k, v, backend=backend)
+        # a cache stored in another float dtype than the model's is read with queries of its own
+        return q.astype(query_dtype(kv.k.dtype, q.dtype)), kv, k, v
+    with jax.named_scope("qkv"):
+        qkv = qkv_projection(c, lp, carry.h)
+    norms = dict(q_norm=lp["q_norm"], k_norm=lp["k_norm"]) if c.qk_norm else {}
+    with jax.named_scope("cache_write"):
+        q, *pools, k, v = rope_and_write(
+            qkv, *ctx.rope, carry.kv.k, carry.kv.v, pages, ctx.slots, num_heads=c.num_heads,
+            k_scale=carry.kv.k_scale, v_scale=carry.kv.v_scale, eps=c.rms_norm_eps,
+            q_dtype=query_dtype(carry.kv.k.dtype, qkv.dtype), return_kv=positioned_kv,
+            backend=backend, **norms)
+    return q, KVPages(*pools), k, v
 
 
 def _after(h: jax.Array, diag: dict) -> jax.Array:
