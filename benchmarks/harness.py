@@ -236,7 +236,9 @@ def hlo_op_costs(hlo: str, charge: dict[int, int] | None = None) -> dict[str, di
     "bytes", "op_name" (the JAX name stack)}}, over the computations that are neither fusion
     bodies nor reducers. Bytes: its operands' and results' shapes; an in-place update (a
     fusion whose body is a dynamic-update-slice or scatter, its result the shape of an
-    operand) moves its other operands, read and written. A kernel that reads part of an
+    operand) moves its other operands, read and written, and so does a kernel that updates
+    operands in place (`output_to_operand_aliasing`: the cache write), plus its other
+    results. A kernel that reads part of an
     operand (a sparse attention kernel's cache) is charged the whole operand, or what
     `charge` maps an operand's bytes to (a layer's share of a cache array that holds every
     layer's pages): its floor is an upper bound."""
@@ -270,16 +272,30 @@ def hlo_op_costs(hlo: str, charge: dict[int, int] | None = None) -> dict[str, di
                 continue
             operands = after[op.end():_closing(after, op.end() - 1)]
             shapes = [sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", operands)]
+            if "output_to_operand_aliasing=" in after:
+                # a kernel updating operands in place (the cache write) moves the rest
+                aliasing = after[after.index("output_to_operand_aliasing="):]
+                aliased = {int(i) for i in re.findall(r"\{[\d,\s]*\}:\s*\((\d+),", aliasing)}
+                rest = sum(x for i, x in enumerate(shapes) if i not in aliased)
+                out_rest = out - sum(shapes[i] for i in aliased if i < len(shapes))
+                costs[m.group(1).replace(".", "_")] = dict(
+                    op=op.group(1), bytes=2 * rest + max(out_rest, 0),
+                    op_name=_op_name(after))
+                continue
             if op.group(1) == "custom-call":   # a kernel reads its layer of the cache
                 shapes = [charge.get(x, x) for x in shapes]
             callee = re.search(r"\bcalls=%?([\w.\-]+)", after)
             called = "\n".join(bodies.get(callee.group(1), [])) if callee else ""
             in_place = (op.group(1) in _IN_PLACE or any(f"{k}(" in called for k in _IN_PLACE))
             moved = 2 * (sum(shapes) - out) if in_place and out in shapes else sum(shapes) + out
-            op_name = re.search(r'op_name="([^"]*)"', after)
-            costs[m.group(1).replace(".", "_")] = dict(
-                op=op.group(1), bytes=moved, op_name=op_name.group(1) if op_name else "")
+            costs[m.group(1).replace(".", "_")] = dict(op=op.group(1), bytes=moved,
+                                                       op_name=_op_name(after))
     return costs
+
+
+def _op_name(instruction: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', instruction)
+    return found.group(1) if found else ""
 
 
 def out_of_memory(e: Exception) -> bool:

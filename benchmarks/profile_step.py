@@ -31,13 +31,14 @@ import shapes as S
 LAYOUTS = ("per_layer", "stacked")
 
 
-def run_case(model, name, method, batch, context, steps, layout):
+def run_case(model, name, method, batch, context, steps, layout, kv_dtype=None):
     import sparsejax
 
     config = model.config
     plan = sparsejax.plan.as_plan(method, config, None)
     extra = 16 + 2 * (harness.PROFILE_REPEATS + 1) * steps   # each step adds a token
-    cache = S.random_cache(config, plan, batch, context, extra, jax.random.key(1))
+    cache = S.random_cache(config, plan, batch, context, extra, jax.random.key(1),
+                           kv_dtype=kv_dtype)
     tokens = jnp.zeros((batch,), jnp.int32)
     step = jax.jit(sparsejax.decode_step, static_argnames="plan", donate_argnums=1)
     # an attention kernel takes every layer's pages and reads its own layer's
@@ -117,7 +118,10 @@ def main():
                    help="parameter layouts to compare (sparse methods run the first)")
     p.add_argument("--only", default=None, help="model:batch:context:method, one case")
     p.add_argument("--json", default="profile_step")
+    p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the KV cache's dtype")
     args = p.parse_args()
+    kv_dtype = None if args.kv_dtype == "bf16" else args.kv_dtype
     layouts = args.layouts.split(",")
     cases = S.SMOKE_PROFILE if args.smoke else S.PROFILE_CASES
     if args.only:
@@ -133,8 +137,8 @@ def main():
                     continue
                 method = S.method(mname, model.config, context)
                 r = run_case(model, f"{model_name}/{mname}", method, batch, context, args.steps,
-                             layout)
-                rows.append(r)
+                             layout, kv_dtype)
+                rows.append({**r, "kv_dtype": args.kv_dtype})
                 print(f"{r['case']:34s} B={batch:3d} T={context:6d}: wall {r['wall_ms']:.3f} ms"
                       f"  busy {r['busy_ms']:.3f}  launches {r['launches']:.0f}  compile "
                       f"{r['compile_s']} s  "

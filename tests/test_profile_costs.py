@@ -50,6 +50,20 @@ def test_operands_and_in_place_update():
     assert harness.hlo_op_costs(text, charge={64 * 128 * 256 * 4: 1}) == costs   # no custom call
 
 
+def test_kernel_updating_its_operand_in_place():
+    """A kernel whose output aliases an operand (the cache write) moves its other operands,
+    read and written, and its other results, not the aliased buffer."""
+    text = """ENTRY %main (p0: f32[1024,64], p1: bf16[4,64]) -> (f32[1024,64], bf16[4,64]) {
+  %p0 = f32[1024,64]{1,0} parameter(0)
+  %p1 = bf16[4,64]{1,0} parameter(1)
+  ROOT %write.1 = (f32[1024,64]{1,0}, bf16[4,64]{1,0}) custom-call(%p1, %p0), custom_call_target="__gpu$xla.gpu.triton", output_to_operand_aliasing={{0}: (1, {})}, metadata={op_name="jit(f)/layer2/cache_write/pallas_call"}
+}
+"""
+    (cost,) = harness.hlo_op_costs(text).values()
+    assert cost["bytes"] == 2 * 4 * 64 * 2 + 4 * 64 * 2
+    assert cost["op_name"].endswith("cache_write/pallas_call")
+
+
 def test_per_layer_sums_kernels_by_layer_and_part():
     costs = {"a": dict(op="fusion", bytes=1000, op_name="jit(decode_step)/layer0/qkv/dot"),
              "b": dict(op="fusion", bytes=3000, op_name="jit(decode_step)/layer0/mlp/dot"),
