@@ -24,7 +24,7 @@ __all__ = [
     "paged_decode_attention", "paged_decode_attention_reference", "paged_prefill_attention",
     "paged_prefill_attention_reference", "paged_tile_scores", "paged_tile_scores_reference",
     "pool_logit_rows", "quest_page_bound", "quest_page_bound_reference", "ratio_budget",
-    "rope_and_write", "rope_and_write_reference", "sparse_decode_attention", "sparse_decode_attention_reference", "threshold_budget",
-    "top_p_budget", "topk_select", "topk_select_reference", "write_tokens",
-    "write_tokens_reference",
+    "rope_and_write", "rope_and_write_reference", "sparse_decode_attention",
+    "sparse_decode_attention_reference", "threshold_budget", "top_p_budget", "topk_select",
+    "topk_select_reference", "write_tokens", "write_tokens_reference",
 ]

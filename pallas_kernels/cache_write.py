@@ -3,9 +3,9 @@
     k_pages[pages[t], h, slots[t]] = k[t, h]      (and v; an fp8 cache also k_scale, v_scale)
 
 for tokens t whose page is in range (a page >= num_pages, or negative, drops the token: how
-callers mark invalid ones). An fp8 cache stores each (token, KV head) vector quantized with its absmax
-scale (`common.quantize`). As four XLA scatters plus the quantize's own fusions, a decode step
-paid up to five launches a layer for a few KiB of writes; the kernel updates the pools in place
+callers mark invalid ones). An fp8 cache stores each (token, KV head) vector quantized with
+its absmax scale (`common.quantize`). As four XLA scatters plus the quantize's own fusions,
+a decode step paid up to five launches a layer for a few KiB of writes; the kernel updates the pools in place
 (`input_output_aliases`) in one.
 
 `rope_and_write` is the decode step's form: from the q/k/v projection's output it applies the
@@ -41,7 +41,7 @@ class _Fused(NamedTuple):
     return_kv: bool
 
 
-def _write_kernel(pages_ref,   # [T] int32: each token's physical page (outside [0, num_pages): dropped)
+def _write_kernel(pages_ref,   # [T] int32: each token's page (outside [0, num_pages): dropped)
                   slots_ref,   # [T] int32: its slot in the page
                   *refs,       # the tokens (below), the pools (and scales) as inputs, then the
                                # outputs: the pools aliased, then (fused) q and k, v
@@ -65,7 +65,7 @@ def _write_kernel(pages_ref,   # [T] int32: each token's physical page (outside 
         k, v = (plgpu.load(ref.at[t * kv_heads + heads[:, None], cols], mask=keep[:, None],
                            other=0.0) for ref in ins)
     else:
-        q, k, v = _positioned(ins, extra_outs, t, kv_heads, fused)
+        k, v = _positioned(ins, extra_outs, t, kv_heads, fused)
     scale_outs = pool_outs[2:] if quantized else (None, None)
     for x, out_ref, scale_ref in zip((k, v), pool_outs[:2], scale_outs):
         if quantized:
@@ -78,7 +78,7 @@ def _write_kernel(pages_ref,   # [T] int32: each token's physical page (outside 
 def _positioned(ins, outs, t, kv_heads: int, fused: _Fused):
     """Inside the kernel: token t's query, key and value heads from the q/k/v rows, q and k
     normed (q/k norm) and rotated as `decoder.position_heads` does; q stored to its output
-    (and k, v to theirs with return_kv). -> (q, k [HKp, D], v [HKp, D])."""
+    (and k, v to theirs with return_kv). -> (k, v) [HKp, D]."""
     qkv_ref, cos_ref, sin_ref = ins[:3]
     head_dim = qkv_ref.shape[-1]
     cols = jnp.arange(head_dim)
@@ -119,7 +119,7 @@ def _positioned(ins, outs, t, kv_heads: int, fused: _Fused):
         for x, ref in zip((k, v), outs[1:]):
             plgpu.store(ref.at[t * kv_heads + kv_rows, cols[None, :]], x,
                         mask=kv_rows < kv_heads)
-    return q, k, v
+    return k, v
 
 
 def _check_inputs(k_pages, v_pages, k_scale, v_scale, pages, slots, k, v):
@@ -260,8 +260,8 @@ def rope_and_write_reference(qkv, cos, sin, k_pages, v_pages, pages, slots, num_
     config = _HeadsConfig(num_heads, kv_heads, q_norm is not None, eps)
     q, k, v = split_qkv(config, qkv)
     q, k = position_heads(config, {"q_norm": q_norm, "k_norm": k_norm}, q, k, cos, sin)
-    copies = k_pages.shape[1] // kv_heads
-    stored_k, stored_v = (jnp.repeat(x, copies, axis=1) if copies > 1 else x for x in (k, v))
+    stored_k, stored_v = (common.replicate_kv_heads(x, k_pages.shape[1], axis=1)
+                          for x in (k, v))
     pools = write_tokens_reference(k_pages, v_pages, pages, slots, stored_k, stored_v,
                                    k_scale, v_scale)
     q = q.astype(qkv.dtype if q_dtype is None else q_dtype)

@@ -374,6 +374,13 @@ def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_row
     return acc, m_new, l
 
 
+def replicate_kv_heads(x, heads: int, axis: int):
+    """Each of x's KV heads (on `axis`) repeated in place up to `heads` in all: the layout of a
+    cache whose KV heads are replicated over tensor-parallel ranks."""
+    copies = heads // x.shape[axis]
+    return x if copies == 1 else jnp.repeat(x, copies, axis=axis)
+
+
 def cache_row(page, head, pos, *, kv_heads: int, page_size: int):
     """Row of the cache viewed as [num_pages * HK * P, D] (a free reshape of its pages) that
     holds non-negative position `pos` of KV head `head` on page `page` (page_size a power of

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from sparsejax.models import Model, ModelConfig
 from sparsejax.pallas_kernels.cache_write import write_tokens
 from sparsejax.pallas_kernels.common import (WIDE_OFFSETS_PAST, dequantize, quantize,
-                                            wraps_offsets)
+                                            replicate_kv_heads, wraps_offsets)
 
 MAX_PAGE_SIZE = 256
 
@@ -377,13 +377,6 @@ def layer_page_ids(pages: jax.Array, layer, num_pages: int) -> jax.Array:
     """Physical page ids `pages` (a page table, or one page per row) of layer `layer` (broadcast
     against them) in the flattened cache of `layer_pages`."""
     return pages + layer * num_pages
-
-
-def replicate_kv_heads(x: jax.Array, heads: int, axis: int) -> jax.Array:
-    """Each of x's KV heads (on `axis`) repeated in place up to `heads` in all: the layout of a
-    cache whose KV heads are replicated over tensor-parallel ranks."""
-    copies = heads // x.shape[axis]
-    return x if copies == 1 else jnp.repeat(x, copies, axis=axis)
 
 
 def write_prompt(cache: PagedKVCache, keys: jax.Array, values: jax.Array,

@@ -29,8 +29,7 @@ from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat
                              write_backend, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
-from sparsejax.models.decoder import qkv_projection, rope_angles
-from sparsejax.models.decoder import ForwardOutput
+from sparsejax.models.decoder import ForwardOutput, qkv_projection, rope_angles
 from sparsejax.pallas_kernels import (paged_decode_attention, rope_and_write,
                                      sparse_decode_attention)
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
