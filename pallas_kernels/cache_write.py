@@ -5,8 +5,8 @@
 for tokens t whose page is in range (a page >= num_pages, or negative, drops the token: how
 callers mark invalid ones). An fp8 cache stores each (token, KV head) vector quantized with
 its absmax scale (`common.quantize`). As four XLA scatters plus the quantize's own fusions,
-a decode step paid up to five launches a layer for a few KiB of writes; the kernel updates the pools in place
-(`input_output_aliases`) in one.
+a decode step paid up to five launches a layer for a few KiB of writes; the kernel updates
+the pools in place (`input_output_aliases`) in one.
 
 `rope_and_write` is the decode step's form: from the q/k/v projection's output it applies the
 optional q/k RMSNorm and RoPE to the query and key heads, writes K and V, and returns the
