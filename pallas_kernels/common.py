@@ -410,9 +410,9 @@ def _merge_splits_kernel(out_ref,      # [A, S, C, D] f32: each split's normalis
                          lse_ref,      # [A, S, C] f32: -inf for an empty split
                          merged_ref,   # [A, C, D] out_dtype
                          merged_lse_ref,  # [A, C] f32
-                         *, chunk: int):
-    a, c = pl.program_id(0), pl.program_id(1)
-    num_splits, head_dim = out_ref.shape[1], out_ref.shape[3]
+                         *, chunk: int, cols: int):
+    a, c, part = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_splits = out_ref.shape[1]
     splits = jnp.arange(next_power_of_2(num_splits))
     lse = plgpu.load(lse_ref.at[a, splits, c], mask=splits < num_splits, other=-jnp.inf)
     m = jnp.max(lse)
@@ -420,42 +420,63 @@ def _merge_splits_kernel(out_ref,      # [A, S, C, D] f32: each split's normalis
     total = jnp.sum(jnp.exp(lse - m_safe))  # empty splits and the padding add 0
     norm = jnp.where(total > 0, total, 1.0)
     chunk = min(chunk, splits.shape[0])
-    cols = jnp.arange(head_dim)
+    at_cols = part * cols + jnp.arange(cols)
 
     def body(i, acc):
         rows = i * chunk + jnp.arange(chunk)
         live = rows < num_splits
         w = jnp.exp(plgpu.load(lse_ref.at[a, rows, c], mask=live, other=-jnp.inf) - m_safe) / norm
         # An empty split's output may be unwritten: never read, weight 0.
-        x = plgpu.load(out_ref.at[a, rows[:, None], c, cols[None, :]],
+        x = plgpu.load(out_ref.at[a, rows[:, None], c, at_cols[None, :]],
                        mask=(live & (w > 0))[:, None], other=0.0)
         return acc + jnp.sum(x * w[:, None], axis=0)
 
-    acc = lax.fori_loop(0, cdiv(num_splits, chunk), body, jnp.zeros((head_dim,), jnp.float32))
-    plgpu.store(merged_ref.at[a, c, :], acc.astype(merged_ref.dtype))
-    plgpu.store(merged_lse_ref.at[a, c], jnp.where(total > 0, m_safe + jnp.log(norm), -jnp.inf))
+    acc = lax.fori_loop(0, cdiv(num_splits, chunk), body, jnp.zeros((cols,), jnp.float32))
+    plgpu.store(merged_ref.at[a, c, at_cols], acc.astype(merged_ref.dtype))
+    # every column block computes the same LSE; the first stores it
+    plgpu.store(merged_lse_ref.at[a, c], jnp.where(total > 0, m_safe + jnp.log(norm), -jnp.inf),
+                mask=part == 0)
+
+
+def merge_tuning(outer: int, splits: int, rows: int, head_dim: int) -> dict:
+    """merge_splits' default knobs. One program per (a, c) and block of `cols` columns of D:
+    where the (a, c) pairs fill less than a wave (batch 1: a layer's query heads), D is cut
+    into as many blocks as make a wave (at least 16 columns each), so each program reads
+    fewer partials from L2 one after the other (DS-Qwen-1.5B at B=1: 12 programs, each
+    walking 264 splits, took 6 us a layer). `chunk` partials a load: 32 at 1 warp, 64 at 2
+    warps from 128 padded splits, and with a column block more rows at once (~4k values a
+    load). The sweeps are in docs/tuning.md."""
+    pairs = outer * rows
+    blocks = min(next_power_of_2(cdiv(num_sms(), pairs)), max(1, head_dim // 16))
+    cols = head_dim // blocks
+    wide = next_power_of_2(splits) >= 128
+    chunk = max(64 if wide else 32, 4096 // cols) if blocks > 1 else (64 if wide else 32)
+    return dict(cols=cols, chunk=min(chunk, next_power_of_2(splits)),
+                num_warps=2 if wide or blocks > 1 else 1)
 
 
 def merge_splits(out: jax.Array, lse: jax.Array, *, out_dtype, interpret: bool,
-                 chunk: int | None = None, num_warps: int | None = None):
+                 chunk: int | None = None, num_warps: int | None = None,
+                 cols: int | None = None):
     """`merge_partials` of a split-K kernel's partials as one Pallas kernel (XLA makes that
     four launches: two reductions over the LSEs, the weights, the weighted sum), on the
     kernel's own layout. out [A, S, C, D] f32, lse [A, S, C] (S the splits; -inf marks an
     empty split, whose out is never read) -> (out [A, C, D] out_dtype, lse [A, C] f32).
 
-    One program per (a, c), loading `chunk` partials at a time. Default: 32 at 1 warp, 64 at
-    2 warps from 128 padded splits: the fastest of a sweep of chunks and warps, and about
-    twice as fast as XLA's four launches (docs/tuning.md)."""
+    One program per (a, c) and block of `cols` columns, loading `chunk` partials at a time;
+    None takes `merge_tuning`'s."""
     outer, splits, rows, head_dim = out.shape
-    wide = next_power_of_2(splits) >= 128
-    chunk = chunk or (64 if wide else 32)
-    num_warps = num_warps or (2 if wide else 1)
+    tuning = resolve_tuning(merge_tuning(outer, splits, rows, head_dim), chunk=chunk,
+                            num_warps=num_warps, cols=cols)
+    cols = tuning["cols"]
+    if head_dim % cols or cols & (cols - 1):
+        raise ValueError(f"cols={cols}: expected a power of 2 dividing head_dim={head_dim}")
     return pallas_call(
-        functools.partial(_merge_splits_kernel, chunk=chunk),
-        grid=(outer, rows),
+        functools.partial(_merge_splits_kernel, chunk=tuning["chunk"], cols=cols),
+        grid=(outer, rows, head_dim // cols),
         out_shape=(jax.ShapeDtypeStruct((outer, rows, head_dim), out_dtype),
                    jax.ShapeDtypeStruct((outer, rows), jnp.float32)),
-        compiler_params=triton_params(num_warps, 1),
+        compiler_params=triton_params(tuning["num_warps"], 1),
         interpret=interpret,
         name="merge_splits",
     )(out, lse)

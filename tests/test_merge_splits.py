@@ -62,6 +62,27 @@ def test_negative_control_swapped_weights_fail():
     assert not np.allclose(np.asarray(got[:, :-1]), want[:, :-1], rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("cols,chunk", [(64, None), (32, 8), (16, None), (16, 4)])
+def test_column_blocks_agree(cols, chunk):
+    """Any column block and chunk give numpy's merge; the default cuts D where the (a, c)
+    pairs fill less than a wave (a batch-1 layer's query heads) and not where they fill it."""
+    out, lse = make_partials(5, 1, 40, 3)
+    got, got_lse = common.merge_splits(jnp.asarray(out), jnp.asarray(lse), out_dtype=jnp.float32,
+                                       interpret=True, cols=cols, chunk=chunk)
+    want, want_lse = numpy_merge(out, lse)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got_lse, want_lse, rtol=1e-6)
+    assert common.merge_tuning(1, 264, 12, 128)["cols"] == 16
+    assert common.merge_tuning(64, 2, 32, 128)["cols"] == 128
+
+
+def test_bad_column_block_refused():
+    out, lse = make_partials(5, 1, 4, 3)
+    with pytest.raises(ValueError, match="cols=24"):
+        common.merge_splits(jnp.asarray(out), jnp.asarray(lse), out_dtype=jnp.float32,
+                            interpret=True, cols=24)
+
+
 @pytest.mark.parametrize("splits,dtype", [(66, jnp.bfloat16), (3, jnp.float32)])
 def test_merge_splits_lowers_for_cuda(splits, dtype):
     out, lse = make_partials(1, 2, splits, 32, head_dim=128)
@@ -72,7 +93,7 @@ def test_merge_splits_lowers_for_cuda(splits, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("outer,splits,rows", [(1, 66, 32), (64, 2, 32), (1, 128, 1)])
+@pytest.mark.parametrize("outer,splits,rows", [(1, 66, 32), (64, 2, 32), (1, 128, 1), (1, 264, 12)])
 def test_native_gpu(outer, splits, rows):
     out, lse = make_partials(3, outer, splits, rows, head_dim=128)
     got, got_lse = common.merge_splits(jnp.asarray(out), jnp.asarray(lse),
