@@ -180,14 +180,19 @@ def rope_and_write(qkv, cos, sin, k_pages, v_pages, pages, slots, *, num_heads: 
     k, v [B, HK, D] the positioned keys and values as the model computed them (None unless
     `return_kv`).
 
-    qkv [B, HQ + 2 HK, D] (HQ = `num_heads`, then the key heads, then the value heads); cos,
-    sin [B, D] f32 (`decoder.rope_angles` of the positions); pages, slots [B]; the cache as
+    qkv [R, HQ + 2 HK, D] (HQ = `num_heads`, then the key heads, then the value heads; rows
+    past the first B, such as a batch-1 step's padding row, are not read); cos, sin [B, D]
+    f32 (`decoder.rope_angles` of the positions); pages, slots [B]; the cache as
     `write_tokens` takes it. The reference is the model's own code: `decoder.split_qkv`,
     `decoder.position_heads`, `write_tokens_reference`."""
     if qkv.ndim != 3 or (qkv.shape[1] - num_heads) % 2 or qkv.shape[1] <= num_heads:
         raise ValueError(f"qkv.shape={qkv.shape}: expected [batch, num_heads={num_heads} + "
                          "2 * kv_heads, head_dim]")
-    batch, heads, head_dim = qkv.shape
+    batch = pages.shape[0] if pages.ndim == 1 else None
+    if batch is None or qkv.shape[0] < batch:
+        raise ValueError(f"qkv.shape={qkv.shape}, pages.shape={pages.shape}: expected pages "
+                         "[batch] and qkv's first axis at least batch")
+    _, heads, head_dim = qkv.shape
     kv_heads = (heads - num_heads) // 2
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: expected both (a model with q/k norm) or neither")
@@ -203,7 +208,7 @@ def rope_and_write(qkv, cos, sin, k_pages, v_pages, pages, slots, *, num_heads: 
                        "(a cache with replicated heads takes the reference)")
     pages, slots = (x.astype(jnp.int32) for x in (pages, slots))
     if common.choose_backend(backend, unsupported) == "reference":
-        return rope_and_write_reference(qkv, cos, sin, k_pages, v_pages, pages, slots,
+        return rope_and_write_reference(qkv[:batch], cos, sin, k_pages, v_pages, pages, slots,
                                         num_heads, k_scale, v_scale, q_norm, k_norm, eps,
                                         q_dtype, return_kv)
     fused = _Fused(num_heads, q_norm is not None, float(eps), return_kv)

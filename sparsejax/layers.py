@@ -88,11 +88,27 @@ def _tables(plan: SparsePlan, config):
     return head_map, retrieval
 
 
+# A batch of one runs its residual stream as two rows, the second a zero row that nothing
+# reads: XLA takes a one-row dot as a multiply and a reduce or a slow gemm, so each
+# projection would otherwise pad its input to two rows in a kernel of its own
+# (`decoder._dot`; four a layer). The attention, the cache write and the methods see the
+# real row only; the output projection's row joins both (docs/tuning.md).
+TWO_ROW_STEP = True
+
+
+def _two_rows(model: Model, batch: int) -> bool:
+    """Whether a step of `batch` rows carries a second, padding row through its layers: a
+    batch of one on per-layer weights (the fused q|k|v the write kernel splits) off a mesh."""
+    return TWO_ROW_STEP and batch == 1 and model.mesh is None and not is_stacked(model.params)
+
+
 def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparsePlan,
                   diagnostics: bool = False):
     """Run every layer for one token per row. Returns (h [B, H], cache, diagnostics or None)."""
     c = model.config
     B = h.shape[0]
+    if _two_rows(model, B):
+        h = jnp.pad(h, ((0, 1), (0, 0)))
     pages, slots = token_address(cache.page_table, cache.lengths, cache.page_size)
     head_map, retrieval = _tables(plan, c)
     ctx = StepContext(cache.lengths, cache.lengths + 1, pages, slots, cache.page_table,
@@ -117,7 +133,7 @@ def decode_layers(model: Model, cache: PagedKVCache, h: jax.Array, plan: SparseP
         join = lambda *xs: jnp.stack(xs)  # noqa: E731
     diag = jax.tree.map(join, *diags) if diagnostics else None
     cache = with_pages(cache, carry.kv).replace(state=carry.state)
-    return carry.h, cache, diag
+    return carry.h[:B], cache, diag
 
 
 def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePlan, role: Role,
@@ -144,7 +160,7 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
     if diagnostics:
         diag = _diagnostics(plan, c, at, out, attended, sel)
         # the layer's input and its attention block's output (Kascade's layer importance)
-        diag.update(hidden=carry.h, attn_block=attention_projection(c, lp, out))
+        diag.update(hidden=carry.h[:out.shape[0]], attn_block=attention_projection(c, lp, out))
         h = _after(h, diag)
     return Carry(h, kv, sel, state), diag
 
@@ -157,6 +173,7 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
     per-layer layout) the heads' split, q/k norm, RoPE and the write are one kernel on a GPU
     (`pallas_kernels.rope_and_write`)."""
     c, backend = model.config, write_backend(model)
+    # h may hold a second, padding row (`_two_rows`): the write kernel reads the real row only
     if "wqkv" not in lp:
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)

@@ -246,6 +246,23 @@ def test_rope_and_write_without_kv_and_bad_qkv(interpret):
         rope_and_write(**{**args, "qkv": args["qkv"][:, :14]})
 
 
+def test_rope_and_write_reads_only_the_pages_rows(interpret):
+    """qkv may carry more rows than pages (a batch of one's padding row): they are not read
+    (NaN there changes nothing); fewer rows than pages are refused."""
+    from sparsejax.pallas_kernels.cache_write import rope_and_write
+    args = rope_case(9, 12, 2, 128, False, jnp.bfloat16)
+    padded = jnp.concatenate([args["qkv"], jnp.full((2, *args["qkv"].shape[1:]), jnp.nan,
+                                                     jnp.bfloat16)])
+    for backend in ("pallas", "reference"):
+        got = rope_and_write(**{**args, "qkv": padded}, backend=backend, interpret=interpret)
+        want = rope_and_write(**args, backend=backend, interpret=interpret)
+        assert got[0].shape == (5, 12, 128)
+        assert_same_bits({i: x for i, x in enumerate(got) if x is not None},
+                         {i: x for i, x in enumerate(want) if x is not None})
+    with pytest.raises(ValueError, match=r"qkv.shape=\(4, 16, 128\), pages.shape=\(5,\)"):
+        rope_and_write(**{**args, "qkv": args["qkv"][:4]})
+
+
 def test_rope_and_write_lowers_for_cuda():
     from sparsejax.pallas_kernels.cache_write import rope_and_write
     args = rope_case(8, 12, 2, 128, True, FP8)

@@ -79,6 +79,44 @@ def test_decode_logits_equal_full_forward(llama, page_size):
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths + steps)
 
 
+@pytest.mark.parametrize("method", [None, "kascade"])
+def test_batch_of_one_steps_as_two_rows(llama, method, monkeypatch):
+    """A batch of one carries a zero second row through its layers (`layers.TWO_ROW_STEP`):
+    its logits equal the full forward and the one-row step's, the cache it writes is the
+    one-row step's, and Kascade's diagnostics (the layer's input among them) are one row."""
+    from sparsejax import layers, methods
+    from sparsejax.plan import as_plan
+    model, _ = llama
+    rng = np.random.default_rng(5)
+    n, steps = 21, 4
+    seq = rng.integers(0, 97, (1, n + steps)).astype(np.int32)
+    full = np.asarray(sparsejax.logits(model, seq))[0]
+    plan = as_plan(None if method is None else methods.Kascade(k=4, min_k=4), model.config, 4)
+
+    def run(two_rows):
+        monkeypatch.setattr(layers, "TWO_ROW_STEP", two_rows)
+        cache = kv.allocate(model.config, 1, n + steps, page_size=4, dtype=jnp.float32)
+        _, cache = sparsejax.prefill(model, cache, seq[:, :n], np.asarray([n]), plan=plan)
+        out = []
+        for s in range(steps):
+            logits, cache, diag = sparsejax.decode_step(model, cache, seq[:, n + s], plan=plan,
+                                                        diagnostics=True)
+            assert logits.shape == (1, model.config.vocab_size)
+            out.append(np.asarray(logits[0]))
+        return np.stack(out), cache, diag
+
+    assert layers._two_rows(model, 1) and not layers._two_rows(model, 2)
+
+    got, got_cache, diag = run(True)
+    want, want_cache, _ = run(False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if method is None:
+        np.testing.assert_allclose(got, full[n:n + steps], atol=1e-4)
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert diag["hidden"].shape[1] == 1 and diag["recall"].shape[1] == 1
+
+
 def test_cache_is_paged_through_the_table(llama):
     """A shuffled page table gives the same logits as the identity one."""
     model, _ = llama
