@@ -248,9 +248,12 @@ def plot(rows, meta, path):
                 continue
             y, x = keys.index((r["model"], r["batch"])), contexts.index(r["context"])
             value = r["ratio_to_floor"] if m == "dense" else r["speedup_vs_dense"]
+            floor = f"x{r['ratio_to_floor']:.2f} floor"
+            if value is None:   # a run without dense: the cell shows its floor ratio only
+                text[y, x] = floor
+                continue
             grid[y, x] = value
-            text[y, x] = (f"x{r['ratio_to_floor']:.2f} floor" if m == "dense" else
-                          f"{value:.2f}x\n(x{r['ratio_to_floor']:.2f} floor)")
+            text[y, x] = floor if m == "dense" else f"{value:.2f}x\n({floor})"
         cmap, norm = ("Reds", dict(vmin=1, vmax=3)) if m == "dense" else ("RdYlGn",
                                                                           dict(vmin=0, vmax=2))
         ax.imshow(grid, cmap=cmap, aspect="auto", **norm)

@@ -104,3 +104,14 @@ def test_tensor_parallel_plot_counts_gpus_in_integers_and_keeps_the_legend_off_t
         renderer = saved[-1].canvas.get_renderer()
         legend, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer)
         assert legend.x0 >= frame.x1        # beside the axes, not over the lines
+
+
+def test_decode_matrix_plot_of_a_run_without_dense(tmp_path):
+    """A run of methods alone has no dense step to compare with: each cell shows its floor
+    ratio and no speedup, where the plot used to fail on the missing speedup."""
+    import bench_decode_matrix
+    rows = [dict(method=m, model="qwen-1.5b", batch=1, context=t, ratio_to_floor=2.2,
+                 speedup_vs_dense=None) for m in ("delta", "kascade") for t in (4096, 32768)]
+    path = tmp_path / "m.png"
+    bench_decode_matrix.plot(rows, dict(device="d", jax="j", date="t", bandwidth_tb_s=4.2), path)
+    assert path.stat().st_size > 0
