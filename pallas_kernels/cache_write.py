@@ -188,10 +188,10 @@ def rope_and_write(qkv, cos, sin, k_pages, v_pages, pages, slots, *, num_heads: 
     if qkv.ndim != 3 or (qkv.shape[1] - num_heads) % 2 or qkv.shape[1] <= num_heads:
         raise ValueError(f"qkv.shape={qkv.shape}: expected [batch, num_heads={num_heads} + "
                          "2 * kv_heads, head_dim]")
-    batch = pages.shape[0] if pages.ndim == 1 else None
-    if batch is None or qkv.shape[0] < batch:
+    if pages.ndim != 1 or qkv.shape[0] < pages.shape[0]:
         raise ValueError(f"qkv.shape={qkv.shape}, pages.shape={pages.shape}: expected pages "
                          "[batch] and qkv's first axis at least batch")
+    batch = pages.shape[0]
     _, heads, head_dim = qkv.shape
     kv_heads = (heads - num_heads) // 2
     if (q_norm is None) != (k_norm is None):

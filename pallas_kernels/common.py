@@ -450,7 +450,9 @@ def merge_tuning(outer: int, splits: int, rows: int, head_dim: int) -> dict:
     blocks = min(next_power_of_2(cdiv(num_sms(), pairs)), max(1, head_dim // 16))
     cols = head_dim // blocks
     wide = next_power_of_2(splits) >= 128
-    chunk = max(64 if wide else 32, 4096 // cols) if blocks > 1 else (64 if wide else 32)
+    chunk = 64 if wide else 32
+    if blocks > 1:
+        chunk = max(chunk, 4096 // cols)
     return dict(cols=cols, chunk=min(chunk, next_power_of_2(splits)),
                 num_warps=2 if wide or blocks > 1 else 1)
 

@@ -88,8 +88,8 @@ def _tables(plan: SparsePlan, config):
     return head_map, retrieval
 
 
-# A batch of one runs its residual stream as two rows, the second a zero row that nothing
-# reads: XLA takes a one-row dot as a multiply and a reduce or a slow gemm, so each
+# A batch of one runs its residual stream as two rows, the second a padding row (zeros at
+# first) that nothing reads: XLA takes a one-row dot as a multiply and a reduce or a slow gemm, so each
 # projection would otherwise pad its input to two rows in a kernel of its own
 # (`decoder._dot`; four a layer). The attention, the cache write and the methods see the
 # real row only; the output projection's row joins both (docs/tuning.md).
@@ -173,7 +173,6 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
     per-layer layout) the heads' split, q/k norm, RoPE and the write are one kernel on a GPU
     (`pallas_kernels.rope_and_write`)."""
     c, backend = model.config, write_backend(model)
-    # h may hold a second, padding row (`_two_rows`): the write kernel reads the real row only
     if "wqkv" not in lp:
         with jax.named_scope("qkv"):
             q, k, v = attention_inputs(c, lp, carry.h, ctx.positions)
@@ -181,7 +180,7 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
             kv = write_token(carry.kv, pages, ctx.slots, k, v, backend=backend)
         # a cache stored in another float dtype than the model's is read with queries of its own
         return q.astype(query_dtype(kv.k.dtype, q.dtype)), kv, k, v
-    with jax.named_scope("qkv"):
+    with jax.named_scope("qkv"):   # h may hold a padding row (`_two_rows`): not written
         qkv = qkv_projection(c, lp, carry.h)
     norms = dict(q_norm=lp["q_norm"], k_norm=lp["k_norm"]) if c.qk_norm else {}
     with jax.named_scope("cache_write"):
