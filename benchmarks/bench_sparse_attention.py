@@ -7,6 +7,8 @@ Cases (bf16, HQ=32, HK=8, D=128, P=16, every row at the full context):
   delta    sparse layer: B=64, 64 pages of 16 shared by all heads (G=1, unit=P); 32k/128k.
   lychee   hybrid layer: B=8, 128k, 64-token blocks, sparse heads keep 10% of blocks
            (LycheeDecode's kernel setting: 90% sparsity, block 64), 0/1/2/4 of 8 KV heads dense.
+  batch1   DELTA's and Kascade's layers above at B=1, 32k/128k: 8 row groups, far below a
+           wave of programs, so the split count is the knob (`default_splits`); swept.
 Each case is first checked natively against the reference; a wrong case is reported and
 skipped. Each family sweeps tuning configs at one size (block_n, warps, stages, the
 lookahead of the index/page lookups, and splits per row group: one split is the direct-write
@@ -27,6 +29,7 @@ is against the kernel without the prior at the same tuning):
                     8 warps), and +prior@best: the best prior time / the best time without
 
   python benchmarks/bench_sparse_attention.py            # H200, < 5 minutes
+  python benchmarks/bench_sparse_attention.py --families batch1   # some families only
   python benchmarks/bench_sparse_attention.py --smoke    # tiny shapes, CPU interpret mode
 """
 from __future__ import annotations
@@ -86,6 +89,7 @@ SPLIT_SWEEP = {  # per family; the default rule's split count is noted. block_n=
     "delta": [sweep_point(splits=2), sweep_point(splits=4), sweep_point(32, splits=2)],  # 1
     "lychee": [sweep_point(split_tokens=512), sweep_point(split_tokens=2048)],  # 1024
 }
+FAMILIES = {"kascade", "delta", "lychee", "batch1"}
 TIME_BUDGET_S = 270  # sweeps stop early, and later families are skipped, past this
 PRIOR_GAP = 16  # +prior_bound: the prior covers all but the last 16 positions (a prompt)
 COLUMNS = ("case", "context", "batch", "ms", "wall_ms", "floor_ms", "peer_ms", "ratio_to_floor",
@@ -391,6 +395,27 @@ class Bench:
             for x in (q, k_pages, v_pages):
                 x.delete()
 
+    def batch1(self):
+        contexts = [256] if self.smoke else [32768, 131072]
+        n_pages = 8 if self.smoke else 64
+        head_map = jnp.asarray(HEAD_MAP[:self.hk] % self.hk, jnp.int32)
+        splits = [sweep_point(splits=s) for s in (1, 4, 16, 64)]
+        for context in contexts:
+            self.cudnn(1, context)
+            q, k_pages, v_pages, page_table, lengths = self.cache(1, context)
+            k = max(1, context // 10)
+            for family, opts, groups, units, selected, tokens in (
+                    ("delta", {"unit": self.p}, 1, context // self.p, n_pages, n_pages * self.p),
+                    ("kascade", {"unit": 1, "head_map": head_map}, self.hk, context, k, k)):
+                indices, count = self.selection(1, groups, units, selected)
+                args = (q, k_pages, v_pages, page_table, lengths, indices, count)
+                floor = harness.floor_ms(self.hk * tokens * 2 * self.d * BYTES)
+                case = f"{family}/b1"
+                cfg = self.sweep(case, args, opts, floor, [KNOB_SWEEP[0], *splits])
+                self.measure(case, context, 1, args, opts, cfg, floor, tokens)
+            for x in (q, k_pages, v_pages):
+                x.delete()
+
     def lychee(self):
         batch, context = (2, 512) if self.smoke else (8, 131072)
         block = 2 * self.p if self.smoke else 64
@@ -438,7 +463,9 @@ def case_label(case: str, context: int) -> str:
         if family.endswith("/no_dense_arg"):
             name += " (no dense-head input)"
     else:
-        name = {"kascade": "Kascade reuse layer", "delta": "DELTA layer"}[family]
+        name = {"kascade": "Kascade reuse layer", "delta": "DELTA layer"}[family.split("/")[0]]
+        if family.endswith("/b1"):
+            name += " at B=1"
     size = f"{context // 1024}k" if context >= 1024 else str(context)
     return f"{name}{_VARIANTS[variant]}, {size}"
 
@@ -453,7 +480,8 @@ def plot(rows, path: Path, device: str, jax_version: str = jax.__version__) -> N
     labels = [case_label(r["case"], r["context"]) for r in timed]
     scale, bandwidth = harness.device_floor(device)
     fig, ((ax0, ax1),) = figure(1, 2, figsize=(16, 6.5))
-    ax0.barh(labels, [r["ms"] / (r["floor_ms"] * scale) for r in timed], color="tab:blue")
+    # ms / floor before rounding: a smoke run's floors round to 0.0 ms
+    ax0.barh(labels, [r["ratio_to_floor"] / scale for r in timed], color="tab:blue")
     ax0.axvline(1.0, color="black", lw=0.8)
     ax0.set_xlabel(f"time / HBM floor of the gathered bytes, lower is better\n(floor at {bandwidth})")
     ax1.barh(labels, [r["peer_ms"] / r["ms"] for r in timed], color="tab:green")
@@ -468,11 +496,18 @@ def plot(rows, path: Path, device: str, jax_version: str = jax.__version__) -> N
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
+    parser.add_argument("--families", default="kascade,delta,lychee,batch1",
+                        help="comma-separated case families to run")
     args = parser.parse_args()
     if not args.smoke and jax.default_backend() != "gpu":
         raise SystemExit("needs a GPU (use --smoke on CPU)")
     bench = Bench(args.smoke)
-    for family in (bench.kascade, bench.delta, bench.lychee):
+    families = args.families.split(",")
+    unknown = set(families) - FAMILIES
+    if unknown:
+        parser.error(f"--families {args.families}: unknown {sorted(unknown)}; expected some of "
+                     f"{sorted(FAMILIES)}")
+    for family in (getattr(bench, name) for name in families):
         if time.monotonic() > bench.deadline:
             print(f"!!! {family.__name__}: skipped, past the {TIME_BUDGET_S} s budget")
             bench.rows.append(error_row(family.__name__, None, None, TimeoutError("budget")))

@@ -394,14 +394,17 @@ def _split_tokens(stream: int, splits: int, block_n: int) -> int:
     return max(block_n, common.cdiv(common.cdiv(stream, max(1, splits)), block_n) * block_n)
 
 
-def default_splits(row_groups: int, sparse_tokens: int) -> int:
+def default_splits(row_groups: int, sparse_tokens: int, block_n: int = 64) -> int:
     """Splits per sparse row group.
 
     One (the direct-write path, no merge) when the row groups alone make a wave of resident
     programs (_PROGRAMS_PER_SM on each of `common.num_sms()`), however long their streams:
     equal streams leave no tail to balance, and splitting them measured no faster
     (docs/tuning.md). Otherwise enough even splits for both ~_TARGET_WAVES waves of programs
-    and no split longer than _MAX_SPLIT_TOKENS, none shorter than _MIN_SPLIT_TOKENS.
+    and no split longer than _MAX_SPLIT_TOKENS, none shorter than _MIN_SPLIT_TOKENS. Where even
+    that leaves less than a wave (a batch of 1-8), a program's time is its chain of dependent
+    block gathers, not bandwidth: the stream is cut down to one `block_n` step per program, up
+    to a wave.
     """
     wave = _PROGRAMS_PER_SM * common.num_sms()
     if row_groups >= wave:
@@ -409,6 +412,8 @@ def default_splits(row_groups: int, sparse_tokens: int) -> int:
     needed = common.cdiv(sparse_tokens, _MAX_SPLIT_TOKENS)
     fill = min(common.cdiv(_TARGET_WAVES * wave, row_groups),
                sparse_tokens // _MIN_SPLIT_TOKENS)
+    if row_groups * fill < wave:
+        fill = min(common.cdiv(wave, row_groups), common.cdiv(sparse_tokens, block_n))
     return max(needed, fill, 1)
 
 
@@ -437,7 +442,8 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
         block_n = 64 if head_dim <= 128 else 32
         if given_logits:
             block_n = min(4 * block_n, 65536 // (head_dim * itemsize))
-    splits = default_splits(row_groups, sparse_tokens) if splits is None else splits
+    if splits is None:
+        splits = default_splits(row_groups, sparse_tokens, block_n)
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
     num_warps = 2 if dense_tokens == 0 and head_dim <= 128 and not given_logits else 4

@@ -290,7 +290,8 @@ def test_prior_bound(interpret, bound, path):
 def test_default_split_rule():
     """The default tuning at the benchmark shapes (B=64, 8 KV heads, D=128): one split (the
     direct path) when the row groups fill the GPU, however long the stream, else even splits
-    no longer than 2048 tokens; dense heads capped at 128 splits; always whole steps."""
+    no longer than 2048 tokens, and below a wave down to one step a program; dense heads capped
+    at 128 splits; always whole steps."""
     def splits(row_groups, sparse, dense=0, head_dim=128):
         t = default_tuning(head_dim, row_groups, sparse, dense)
         assert t["split_tokens"] % t["block_n"] == 0
@@ -305,7 +306,12 @@ def test_default_split_rule():
     assert 52428 - split * (n - 1) > split / 2
     assert splits(8, 819)[0] > 1  # a few row groups: split to fill the GPU anyway
     assert splits(64, 13056, 131072)[0] <= 128  # Lychee with dense heads
-    assert splits(4, 100)[0] == 1  # tiny streams are not split below a step
+    assert splits(4, 100) == (2, 64)  # below a wave: one step a program, never less
+    # batch 1 (DS-Qwen-1.5B's 2 KV heads): one 64-token step a program, the merge sums them
+    assert splits(2, 64 * 16) == (16, 64)  # DELTA: 64 pages of 16
+    assert splits(2, 3277) == (52, 64)  # Kascade 32k
+    assert splits(2, 13107) == (103, 128)  # Kascade 128k: a wave of programs, two steps each
+    assert splits(16, 1024) == (16, 64)  # Llama-8B at B=2
     assert default_tuning(256, 512, 1024)["block_n"] == 32
     # two warps for sparse-only streams at D <= 128, four with dense heads or at D = 256
     assert default_tuning(128, 512, 819)["num_warps"] == 2
