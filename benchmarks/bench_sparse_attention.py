@@ -29,7 +29,8 @@ is against the kernel without the prior at the same tuning):
                     8 warps), and +prior@best: the best prior time / the best time without
 
   python benchmarks/bench_sparse_attention.py            # H200, < 5 minutes
-  python benchmarks/bench_sparse_attention.py --families batch1   # some families only
+  python benchmarks/bench_sparse_attention.py --families batch1   # some families only:
+                                                    # results/sparse_attention_batch1.json
   python benchmarks/bench_sparse_attention.py --smoke    # tiny shapes, CPU interpret mode
 """
 from __future__ import annotations
@@ -522,7 +523,9 @@ def main():
     if args.smoke:
         plot(bench.rows, Path(tempfile.mkdtemp()) / f"{NAME}.png", harness.device_name())
         return
-    path = harness.write_results(harness.per_gpu_name(NAME), bench.rows)
+    # a subset of the families keeps its own file: the full run's stays whole
+    name = NAME if set(families) == FAMILIES else "_".join([NAME, *families])
+    path = harness.write_results(harness.per_gpu_name(name), bench.rows)
     plot(bench.rows, path.with_suffix(".png"), harness.device_name())
     if os.environ.get("OUT"):
         plot(bench.rows, Path(os.environ["OUT"], path.name).with_suffix(".png"),
