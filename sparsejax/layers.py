@@ -29,9 +29,11 @@ from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat
                              write_backend, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
-from sparsejax.models.decoder import ForwardOutput, qkv_projection, rope_angles
+from sparsejax.models.decoder import ForwardOutput, qkv_projection, rms_norm, rope_angles
 from sparsejax.pallas_kernels import (paged_decode_attention, rope_and_write,
                                      sparse_decode_attention)
+from sparsejax.pallas_kernels import common as kernel_common
+from sparsejax.pallas_kernels import gemv
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
 from sparsejax.plan import Attended, Role, Score, Selection, SparsePlan, attended_head_map
 
@@ -94,6 +96,13 @@ def _tables(plan: SparsePlan, config):
 # (`decoder._dot`; four a layer). The attention, the cache write and the methods see the
 # real row only; the output projection's row joins both (docs/tuning.md).
 TWO_ROW_STEP = True
+
+
+# A step of at most two rows (batch 1) projects q/k/v weights up to this size as split-K
+# partials (`gemv.projection_partials`) and one XLA fusion sums them: DS-Qwen-1.5B's 6 MiB
+# 8.2 -> 3.9 us in the step, where Llama-8B's 48 MiB is as fast in XLA's gemm
+# (docs/tuning.md).
+PARTIAL_QKV_MAX_BYTES = 16 * 2**20
 
 
 def _two_rows(model: Model, batch: int) -> bool:
@@ -181,7 +190,7 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
         # a cache stored in another float dtype than the model's is read with queries of its own
         return q.astype(query_dtype(kv.k.dtype, q.dtype)), kv, k, v
     with jax.named_scope("qkv"):   # h may hold a padding row (`_two_rows`): not written
-        qkv = qkv_projection(c, lp, carry.h)
+        qkv = _qkv_rows(c, lp, carry.h, backend)
     norms = dict(q_norm=lp["q_norm"], k_norm=lp["k_norm"]) if c.qk_norm else {}
     with jax.named_scope("cache_write"):
         q, *pools, k, v = rope_and_write(
@@ -190,6 +199,22 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
             q_dtype=query_dtype(carry.kv.k.dtype, qkv.dtype), return_kv=positioned_kv,
             backend=backend, **norms)
     return q, KVPages(*pools), k, v
+
+
+def _qkv_rows(c, lp, h: jax.Array, backend: str) -> jax.Array:
+    """`decoder.qkv_projection` of h [R, H] -> [R, HQ + 2 HK, D]; at most two rows of a weight
+    up to PARTIAL_QKV_MAX_BYTES on the Pallas path as split-K partials, summed, cast and
+    biased as its dot is."""
+    w = lp["wqkv"]
+    small = h.ndim == 2 and h.shape[0] <= 2 and w.nbytes <= PARTIAL_QKV_MAX_BYTES
+    if small and kernel_common.resolve_backend(backend) == "pallas":
+        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
+        w2 = w.reshape(w.shape[0], -1)
+        if x.dtype == w.dtype and gemv.unsupported(x, w2) is None:
+            partials = gemv.projection_partials(x, w2, backend="pallas")
+            qkv = jnp.sum(partials, axis=0).astype(x.dtype).reshape(h.shape[0], *w.shape[1:])
+            return qkv + lp["bqkv"] if c.qkv_bias else qkv
+    return qkv_projection(c, lp, h)
 
 
 def _after(h: jax.Array, diag: dict) -> jax.Array:

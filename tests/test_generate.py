@@ -117,6 +117,47 @@ def test_batch_of_one_steps_as_two_rows(llama, method, monkeypatch):
     assert diag["hidden"].shape[1] == 1 and diag["recall"].shape[1] == 1
 
 
+def test_batch_of_one_projects_a_small_qkv_as_partials(tmp_path, monkeypatch):
+    """On the Pallas path a batch-1 step of a small model (Qwen2: q/k/v bias) projects q/k/v as
+    split-K partials (`layers.PARTIAL_QKV_MAX_BYTES`): the same tokens' logits and cache as
+    XLA's projection, to bf16 rounding."""
+    from sparsejax import layers
+    from sparsejax.pallas_kernels import gemv
+    from sparsejax.pallas_kernels.common import use_backend
+    build("qwen2-bias-sharded", tmp_path, hidden_size=128, num_attention_heads=2,
+          num_key_value_heads=1)
+    model = sparsejax.from_pretrained(tmp_path, dtype=jnp.bfloat16)
+    assert model.config.qkv_bias and model.config.head_dim == 64
+    plan = dense_plan(model.config, 16)
+    seq = np.random.default_rng(6).integers(0, 97, (1, 24)).astype(np.int32)
+    calls = []
+    partials = gemv.projection_partials
+    monkeypatch.setattr(gemv, "projection_partials",
+                        lambda *a, **k: calls.append(a[1].shape) or partials(*a, **k))
+
+    def run(max_bytes):
+        monkeypatch.setattr(layers, "PARTIAL_QKV_MAX_BYTES", max_bytes)
+        cache = kv.allocate(model.config, 1, 32, page_size=16, dtype=jnp.bfloat16)
+        _, cache = sparsejax.prefill(model, cache, seq[:, :20], np.asarray([20]), plan=plan)
+        out = []
+        with use_backend("pallas"):
+            for s in range(4):
+                logits, cache = sparsejax.decode_step(model, cache, seq[:, 20 + s], plan=plan)
+                out.append(np.asarray(logits[0], np.float32))
+        return np.stack(out), cache
+
+    got, got_cache = run(layers.PARTIAL_QKV_MAX_BYTES)
+    assert calls == [(128, 256)] * 4 * model.config.num_layers
+    want, want_cache = run(0)
+    assert len(calls) == 4 * model.config.num_layers
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=2**-6 * scale)
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=2**-6 * max(np.abs(b).max(), 1))
+
+
 def test_cache_is_paged_through_the_table(llama):
     """A shuffled page table gives the same logits as the identity one."""
     model, _ = llama
