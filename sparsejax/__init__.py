@@ -9,15 +9,15 @@
 A method left without layer choices (`methods.DELTA()`) takes the paper's, scaled to the
 model's depth; `LLM`'s methods attend to a share of each prompt's own length.
 """
-import sys as _sys
 from pathlib import Path
 
-# Run as the command line (`sparsejax ...`, `python -m sparsejax ...`): Ctrl-C while the
-# imports below run ends the program cleanly (see files.guard_startup).
-if (_sys.argv and Path(_sys.argv[0]).name == "sparsejax") or "-m sparsejax " in (
-        " ".join(getattr(_sys, "orig_argv", [])[:4]) + " "):
-    from sparsejax.files import guard_startup
-    guard_startup()
+from sparsejax import files as _files
+
+# Run as the command line (`sparsejax ...`, `python [OPTIONS] -m sparsejax ...`): Ctrl-C or
+# SIGTERM while the imports below run ends the program cleanly, even when the parent left
+# them ignored (see files.guard_startup). First, before the seconds of imports.
+if _files.started_as_command():
+    _files.guard_startup()
 
 from sparsejax import methods  # noqa: E402
 from sparsejax.cache import PagedKVCache

@@ -261,23 +261,29 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         os._exit(e.status)
 
-    with files.handle_signals(on_timeout=stop if as_program else None):
-        try:
-            parser = build_parser()
+    def stopped(e: files.Interrupted) -> int:
+        files.mark_handled()
+        if as_program:
+            stop(e)
+        print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr)
+        return e.status
+
+    try:
+        with files.handle_signals(on_timeout=stop if as_program else None):
             try:
-                args = parser.parse_args(argv)
-            except SystemExit as e:        # argparse has printed the usage error (or the help)
-                return e.code
-            return args.func(args)
-        except files.Interrupted as e:
-            files.mark_handled()
-            if as_program:
-                stop(e)
-            print(f"sparsejax {command}: {STOPPED.format(signal=e.name)}", file=sys.stderr)
-            return e.status
-        except Exception as e:     # noqa: BLE001 (the one place failures become messages)
-            line, status = _failure(command, e)
-            if debug:
-                traceback.print_exc()
-            print(line, file=sys.stderr)
-            return status
+                parser = build_parser()
+                try:
+                    args = parser.parse_args(argv)
+                except SystemExit as e:    # argparse has printed the usage error (or the help)
+                    return e.code
+                return args.func(args)
+            except files.Interrupted as e:
+                return stopped(e)
+            except Exception as e:     # noqa: BLE001 (the one place failures become messages)
+                line, status = _failure(command, e)
+                if debug:
+                    traceback.print_exc()
+                print(line, file=sys.stderr)
+                return status
+    except files.Interrupted as e:     # while the handling was set up or taken down, or while
+        return stopped(e)              # a failure above was reported: stopped all the same

@@ -7,15 +7,17 @@ written through: its target is replaced, the link stays.
 """
 from __future__ import annotations
 
+# Imported first by the package when run as the command line (`guard_startup`): only cheap
+# modules here, so the guard is in place within milliseconds of the interpreter starting.
+
 import errno
 import os
 import signal
 import stat
 import sys
 import threading
-import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def _kind(mode: int) -> str:
@@ -73,7 +75,7 @@ def check_writable(path: str | Path, flag: str, *, directory: bool = False) -> P
 def _try_create(directory: Path, flag: str, path: Path) -> None:
     """Create and remove an empty file in `directory`: the one test of writability that root,
     read-only mounts and pseudo file systems (/proc, /sys) cannot fool."""
-    probe = directory / f".{uuid.uuid4().hex[:8]}.write-test"
+    probe = directory / f".{os.urandom(4).hex()}.write-test"
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
     except OSError as e:
@@ -130,7 +132,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     kept); a device, FIFO or directory at `path` is refused. Errors name `path`."""
     path = Path(path)
     target = output_target(path)
-    tmp = target.with_name(f".{target.stem}.{uuid.uuid4().hex[:8]}.tmp{target.suffix}")
+    tmp = target.with_name(f".{target.stem}.{os.urandom(4).hex()}.tmp{target.suffix}")
     try:
         write(tmp)
         if interrupted():
@@ -193,30 +195,39 @@ class handle_signals:
         _state["handled"].clear()
         if not self.active:
             return self
-        self.previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        for s in self.previous:
-            signal.signal(s, self._on_signal)
-        self.read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        self.write_fd = write_fd
-        self.previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        self.previous, self.previous_wakeup, self.watcher = {}, None, None
         self.previous_unraisable = sys.unraisablehook
-        sys.unraisablehook = self._unraisable
-        self.watcher = threading.Thread(target=self._watch, daemon=True,
-                                        name="sparsejax-signals")
-        self.watcher.start()
+        self.read_fd, self.write_fd = os.pipe()
+        try:
+            # The wakeup pipe and its watcher first, the handlers last: a signal arriving from
+            # the moment they are in place is both raised and re-raised (before it, the
+            # handler already there, e.g. `guard_startup`'s, takes it).
+            os.set_blocking(self.write_fd, False)
+            self.previous_wakeup = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            sys.unraisablehook = self._unraisable
+            self.watcher = threading.Thread(target=self._watch, daemon=True,
+                                            name="sparsejax-signals")
+            self.watcher.start()
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self.previous[s] = signal.getsignal(s)
+                signal.signal(s, self._on_signal)
+        except BaseException:       # a signal raised here: the caller gets it, nothing is left set
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc):
         if not self.active:
             return False
         _state["handled"].set()
-        signal.set_wakeup_fd(self.previous_wakeup)
+        if self.previous_wakeup is not None:
+            signal.set_wakeup_fd(self.previous_wakeup)
         sys.unraisablehook = self.previous_unraisable
         for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        os.write(self.write_fd, b"\0")      # wakes the watcher, which then ends
-        self.watcher.join(timeout=1)
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if self.watcher is not None:
+            os.write(self.write_fd, b"\0")      # wakes the watcher, which then ends
+            self.watcher.join(timeout=1)
         for fd in (self.read_fd, self.write_fd):
             os.close(fd)
         return False
@@ -254,19 +265,57 @@ class handle_signals:
                 self.on_timeout(Interrupted(_state["signal"] or signum))
 
 
+def started_as_command(argv: list[str] | None = None,
+                       orig_argv: list[str] | None = None) -> bool:
+    """True when this process is the command line: the `sparsejax` program, or `python [OPTIONS]
+    -m sparsejax` (while the package is imported then, `sys.argv[0]` is "-m"; the module is
+    read from `sys.orig_argv`, past interpreter options such as `-u`, `-X importtime`,
+    `-W ignore`, and in their joined forms `-um sparsejax`, `-msparsejax`)."""
+    argv = sys.argv if argv is None else argv
+    orig_argv = getattr(sys, "orig_argv", []) if orig_argv is None else orig_argv
+    if argv and Path(argv[0]).name == "sparsejax":
+        return True
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if arg == "--check-hash-based-pycs":
+            next(args, None)
+            continue
+        if not arg.startswith("-") or arg in ("-", "--") or arg.startswith("--"):
+            return False                # a script, stdin, or an option that ends the line
+        for i, flag in enumerate(arg[1:], start=1):
+            if flag in "mc":
+                module = arg[i + 1:] or next(args, "")
+                return flag == "m" and module in ("sparsejax", "sparsejax.__main__")
+            if flag in "XW":            # takes a value: the rest of this word, else the next
+                if i == len(arg) - 1:
+                    next(args, None)
+                break
+    return False
+
+
 def guard_startup() -> None:
     """Until `handle_signals` takes over, SIGINT and SIGTERM end the program at once with one
     line and 128 + the signal: nothing has been written yet, and the KeyboardInterrupt Python
-    raises by default is lost when it lands in a gc callback (JAX's), letting the run go on."""
+    raises by default is lost when it lands in a gc callback (JAX's), letting the run go on.
+
+    Taken also when the parent left them ignored (SIG_IGN: any `command &` of a shell script
+    or CI step, which `handle_signals` takes over anyway) or blocked: else a signal sent while
+    the program starts (its imports take seconds on a loaded machine) is dropped and the run
+    goes on to replace its outputs."""
     def stop(signum, frame):
-        print(f"sparsejax: interrupted by {signal.Signals(signum).name} while starting: "
-              "stopped, nothing written", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
+        try:
+            os.write(2, f"sparsejax: interrupted by {signal.Signals(signum).name} while "
+                     "starting: stopped, nothing written\n".encode())
+        finally:
+            os._exit(128 + signum)
 
     if threading.current_thread() is threading.main_thread():
         for s in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL):
+            if signal.getsignal(s) in (signal.default_int_handler, signal.SIG_DFL,
+                                       signal.SIG_IGN):
                 signal.signal(s, stop)
+        if hasattr(signal, "pthread_sigmask"):     # POSIX
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def mark_handled() -> None:
