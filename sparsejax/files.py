@@ -173,7 +173,7 @@ GRACE_S = 5.0   # after a signal, how long the run may take to stop before it is
 
 
 def interrupted() -> bool:
-    """True once SIGINT or SIGTERM arrived while `handle_signals` was active."""
+    """True once SIGINT or SIGTERM arrived while the active `handle_signals` block runs."""
     return _state["signal"] is not None
 
 
@@ -230,6 +230,9 @@ class handle_signals:
             self.watcher.join(timeout=1)
         for fd in (self.read_fd, self.write_fd):
             os.close(fd)
+        # The signal stopped this command only: later writes in this process (a library
+        # caller's, a test's) are not refused for it.
+        _state["signal"] = None
         return False
 
     def _unraisable(self, info):

@@ -733,6 +733,10 @@ def test_an_interrupted_run_replaces_no_output(tmp_path):
         files.mark_handled()
     assert path.read_text() == "complete" and list(tmp_path.iterdir()) == [path]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # restored
+    # the signal stopped that block only: a later write in the process replaces its file
+    assert not files.interrupted()
+    files.write_text_atomic(path, "later")
+    assert path.read_text() == "later"
 
 
 def test_an_interrupt_lost_in_a_gc_callback_prints_no_traceback(capsys, monkeypatch):
