@@ -209,12 +209,13 @@ def attention_inputs(config: ModelConfig, lp: Params, h: jax.Array, positions: j
     return q, k, v
 
 
-def qkv_projection(config: ModelConfig, lp: Params, h: jax.Array) -> jax.Array:
+def qkv_projection(config: ModelConfig, lp: Params, h: jax.Array, dot=None) -> jax.Array:
     """Pre-norm, the fused q/k/v projection (`lp["wqkv"]`, the per-layer layout) and its
     optional bias: h [..., H] -> [..., HQ + 2 HK, D], the query heads, then the key heads,
-    then the value heads."""
+    then the value heads. `dot(spec, x, w)`: the projection's product (default `_dot`; a
+    batch-1 decode step may pass a split-K kernel's)."""
     x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-    qkv = _dot("...h,hnd->...nd", x, lp["wqkv"])
+    qkv = (dot or _dot)("...h,hnd->...nd", x, lp["wqkv"])
     return qkv + lp["bqkv"] if config.qkv_bias else qkv
 
 

@@ -29,7 +29,8 @@ from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat
                              write_backend, write_token)
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
-from sparsejax.models.decoder import ForwardOutput, qkv_projection, rms_norm, rope_angles
+from sparsejax.models import decoder
+from sparsejax.models.decoder import ForwardOutput, qkv_projection, rope_angles
 from sparsejax.pallas_kernels import (paged_decode_attention, rope_and_write,
                                      sparse_decode_attention)
 from sparsejax.pallas_kernels import common as kernel_common
@@ -91,8 +92,8 @@ def _tables(plan: SparsePlan, config):
 
 
 # A batch of one runs its residual stream as two rows, the second a padding row (zeros at
-# first) that nothing reads: XLA takes a one-row dot as a multiply and a reduce or a slow gemm, so each
-# projection would otherwise pad its input to two rows in a kernel of its own
+# first) that nothing reads: XLA takes a one-row dot as a multiply and a reduce or a slow
+# gemm, so each projection would otherwise pad its input to two rows in a kernel of its own
 # (`decoder._dot`; four a layer). The attention, the cache write and the methods see the
 # real row only; the output projection's row joins both (docs/tuning.md).
 TWO_ROW_STEP = True
@@ -202,19 +203,21 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
 
 
 def _qkv_rows(c, lp, h: jax.Array, backend: str) -> jax.Array:
-    """`decoder.qkv_projection` of h [R, H] -> [R, HQ + 2 HK, D]; at most two rows of a weight
-    up to PARTIAL_QKV_MAX_BYTES on the Pallas path as split-K partials, summed, cast and
-    biased as its dot is."""
-    w = lp["wqkv"]
-    small = h.ndim == 2 and h.shape[0] <= 2 and w.nbytes <= PARTIAL_QKV_MAX_BYTES
-    if small and kernel_common.resolve_backend(backend) == "pallas":
-        x = rms_norm(h, lp["attn_norm"], c.rms_norm_eps)
-        w2 = w.reshape(w.shape[0], -1)
-        if x.dtype == w.dtype and gemv.unsupported(x, w2) is None:
-            partials = gemv.projection_partials(x, w2, backend="pallas")
-            qkv = jnp.sum(partials, axis=0).astype(x.dtype).reshape(h.shape[0], *w.shape[1:])
-            return qkv + lp["bqkv"] if c.qkv_bias else qkv
-    return qkv_projection(c, lp, h)
+    """`decoder.qkv_projection` of h [R, H] -> [R, HQ + 2 HK, D]: at most two rows of a weight
+    up to PARTIAL_QKV_MAX_BYTES on the Pallas path take the split-K kernel's product."""
+    small = h.ndim == 2 and h.shape[0] <= 2 and lp["wqkv"].nbytes <= PARTIAL_QKV_MAX_BYTES
+    split_k = small and kernel_common.resolve_backend(backend) == "pallas"
+    return qkv_projection(c, lp, h, dot=_split_k_dot if split_k else None)
+
+
+def _split_k_dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """`decoder._dot` of x [R, H] and w [H, heads, D] as `gemv.projection_partials`, summed
+    and cast as its f32 dot is (what the kernel cannot take goes to `_dot`)."""
+    w2 = w.reshape(w.shape[0], -1)
+    if x.dtype != w.dtype or gemv.unsupported(x, w2) is not None:
+        return decoder._dot(spec, x, w)
+    partials = gemv.projection_partials(x, w2, backend="pallas")
+    return jnp.sum(partials, axis=0).astype(x.dtype).reshape(x.shape[0], *w.shape[1:])
 
 
 def _after(h: jax.Array, diag: dict) -> jax.Array:
