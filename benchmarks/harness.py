@@ -134,7 +134,8 @@ KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
                     "reduce_scatter", "collective_permute")),
     ("attention", ("paged_decode", "sparse_decode", "prefill_attention", "cudnn", "flash")),
     ("topk", ("topk",)),
-    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "cublas", "dot", "matmul", "sm90", "nvjet")),
+    ("matmul", ("gemm", "gemv", "projection_partials", "xmma", "cutlass", "cublas", "dot",
+                "matmul", "sm90", "nvjet")),
     ("slice_copy", ("dynamic_slice", "slice_fusion", "copy")),
     ("memcpy", ("memcpy", "memset")),
 )
