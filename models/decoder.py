@@ -192,6 +192,12 @@ def _dot(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     return y[:1].reshape(*lead, *y.shape[1:]) if single else y
 
 
+def normed_dot(spec: str, h: jax.Array, norm_weight: jax.Array, eps: float,
+               w: jax.Array) -> jax.Array:
+    """`_dot(spec, rms_norm(h, norm_weight, eps), w)`: a pre-norm projection."""
+    return _dot(spec, rms_norm(h, norm_weight, eps), w)
+
+
 # ---- one block ------------------------------------------------------------------------------
 def attention_inputs(config: ModelConfig, lp: Params, h: jax.Array, positions: jax.Array):
     """Pre-norm, q/k/v projections, optional bias and q/k norm, RoPE.
@@ -209,13 +215,14 @@ def attention_inputs(config: ModelConfig, lp: Params, h: jax.Array, positions: j
     return q, k, v
 
 
-def qkv_projection(config: ModelConfig, lp: Params, h: jax.Array, dot=None) -> jax.Array:
+def qkv_projection(config: ModelConfig, lp: Params, h: jax.Array,
+                   project=normed_dot) -> jax.Array:
     """Pre-norm, the fused q/k/v projection (`lp["wqkv"]`, the per-layer layout) and its
     optional bias: h [..., H] -> [..., HQ + 2 HK, D], the query heads, then the key heads,
-    then the value heads. `dot(spec, x, w)`: the projection's product (default `_dot`; a
-    batch-1 decode step may pass a split-K kernel's)."""
-    x = rms_norm(h, lp["attn_norm"], config.rms_norm_eps)
-    qkv = (dot or _dot)("...h,hnd->...nd", x, lp["wqkv"])
+    then the value heads. `project(spec, h, norm_weight, eps, w)`: the product of
+    rms_norm(h) and w (`normed_dot`; a batch-1 decode step may pass a split-K kernel's that
+    norms as it loads)."""
+    qkv = project("...h,hnd->...nd", h, lp["attn_norm"], config.rms_norm_eps, lp["wqkv"])
     return qkv + lp["bqkv"] if config.qkv_bias else qkv
 
 
@@ -234,25 +241,28 @@ def position_heads(config: ModelConfig, lp: Params, q: jax.Array, k: jax.Array,
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
-def finish_layer(config: ModelConfig, lp: Params, h: jax.Array, attn: jax.Array) -> jax.Array:
+def finish_layer(config: ModelConfig, lp: Params, h: jax.Array, attn: jax.Array,
+                 dot=_dot) -> jax.Array:
     """Output projection + residual, then the SwiGLU MLP block + residual.
 
-    h [..., H], attn [..., HQ, D] -> h [..., H]
+    h [..., H], attn [..., HQ, D] -> h [..., H]. `dot(spec, x, w)`: the projections' product
+    (`_dot`; a batch-1 decode step may pass a split-K kernel's).
     """
-    h = h + attention_projection(config, lp, attn)
+    h = h + attention_projection(config, lp, attn, dot)
     x = rms_norm(h, lp["mlp_norm"], config.rms_norm_eps)
     if "w_gate_up" in lp:
-        gate_up = _dot("...h,hti->...ti", x, lp["w_gate_up"])
+        gate_up = dot("...h,hti->...ti", x, lp["w_gate_up"])
         gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     else:
-        gate = _dot("...h,hi->...i", x, lp["w_gate"])
-        up = _dot("...h,hi->...i", x, lp["w_up"])
-    return h + _dot("...i,ih->...h", jax.nn.silu(gate) * up, lp["w_down"])
+        gate = dot("...h,hi->...i", x, lp["w_gate"])
+        up = dot("...h,hi->...i", x, lp["w_up"])
+    return h + dot("...i,ih->...h", jax.nn.silu(gate) * up, lp["w_down"])
 
 
-def attention_projection(config: ModelConfig, lp: Params, attn: jax.Array) -> jax.Array:
-    """attn [..., HQ, D] -> [..., H] (o_proj)."""
-    out = _dot("...nd,ndh->...h", attn.astype(lp["wo"].dtype), lp["wo"])
+def attention_projection(config: ModelConfig, lp: Params, attn: jax.Array,
+                         dot=_dot) -> jax.Array:
+    """attn [..., HQ, D] -> [..., H] (o_proj; `dot` as in `finish_layer`)."""
+    out = dot("...nd,ndh->...h", attn.astype(lp["wo"].dtype), lp["wo"])
     return out + lp["bo"] if config.o_bias else out
 
 

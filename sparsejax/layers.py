@@ -30,7 +30,8 @@ from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, flat
 from sparsejax.models import (Model, attention_inputs, attention_projection, finish_layer,
                               is_stacked, layer_params)
 from sparsejax.models import decoder
-from sparsejax.models.decoder import ForwardOutput, qkv_projection, rope_angles
+from sparsejax.models.decoder import (ForwardOutput, normed_dot, qkv_projection,
+                                      rope_angles)
 from sparsejax.pallas_kernels import (paged_decode_attention, rope_and_write,
                                      sparse_decode_attention)
 from sparsejax.pallas_kernels import common as kernel_common
@@ -100,10 +101,14 @@ TWO_ROW_STEP = True
 
 
 # A step of at most two rows (batch 1) projects q/k/v weights up to this size as split-K
-# partials (`gemv.projection_partials`) and one XLA fusion sums them: DS-Qwen-1.5B's 6 MiB
-# 8.2 -> 3.9 us in the step, where Llama-8B's 48 MiB is as fast in XLA's gemm
-# (docs/tuning.md).
+# partials (`gemv.projection_partials`, the pre-norm inside it) and one XLA fusion sums them:
+# DS-Qwen-1.5B's 6 MiB 8.2 -> 3.9 us in the step, where Llama-8B's 48 MiB is as fast in
+# XLA's gemm (docs/tuning.md).
 PARTIAL_QKV_MAX_BYTES = 16 * 2**20
+# Likewise the o, gate|up and down projections of a layer whose gate weight (gate|up) is up
+# to this size: DS-Qwen-1.5B's o 3.5 us + a pad to two rows -> 3.4, its down 9.7 -> 8.7 in
+# the step, gate|up as fast as XLA's (docs/tuning.md).
+PARTIAL_MLP_MAX_BYTES = 64 * 2**20
 
 
 def _two_rows(model: Model, batch: int) -> bool:
@@ -165,7 +170,8 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
         out, sel, attended = attend(role, plan, c, at, carry.sel)
     out = out.astype(carry.h.dtype)
     with jax.named_scope("mlp"):   # the output projection, the residuals and the MLP
-        h = finish_layer(c, lp, carry.h, out)
+        h = _finish_layer(c, lp, carry.h, out, write_backend(model),
+                          per_layer=static_layer is not None)
     diag = None
     if diagnostics:
         diag = _diagnostics(plan, c, at, out, attended, sel)
@@ -202,22 +208,55 @@ def _project_and_write(model: Model, lp, carry: Carry, ctx: StepContext, pages: 
     return q, KVPages(*pools), k, v
 
 
+def _split_k(h: jax.Array, weight: jax.Array, max_bytes: int, backend: str) -> bool:
+    """Whether a projection of h's rows by `weight` takes the split-K kernel: at most two rows
+    (a batch-1 step) of a weight up to max_bytes on the Pallas path."""
+    return (h.ndim == 2 and h.shape[0] <= 2 and weight.nbytes <= max_bytes
+            and kernel_common.resolve_backend(backend) == "pallas")
+
+
 def _qkv_rows(c, lp, h: jax.Array, backend: str) -> jax.Array:
-    """`decoder.qkv_projection` of h [R, H] -> [R, HQ + 2 HK, D]: at most two rows of a weight
-    up to PARTIAL_QKV_MAX_BYTES on the Pallas path take the split-K kernel's product."""
-    small = h.ndim == 2 and h.shape[0] <= 2 and lp["wqkv"].nbytes <= PARTIAL_QKV_MAX_BYTES
-    split_k = small and kernel_common.resolve_backend(backend) == "pallas"
-    return qkv_projection(c, lp, h, dot=_split_k_dot if split_k else None)
+    """`decoder.qkv_projection` of h [R, H] -> [R, HQ + 2 HK, D], as split-K partials with
+    the pre-norm inside when `_split_k`."""
+    split_k = _split_k(h, lp["wqkv"], PARTIAL_QKV_MAX_BYTES, backend)
+    return qkv_projection(c, lp, h, project=_split_k_normed_dot if split_k else normed_dot)
+
+
+def _split_k_normed_dot(spec: str, h: jax.Array, norm_weight: jax.Array, eps: float,
+                        w: jax.Array) -> jax.Array:
+    """`decoder.normed_dot` of h [R, H] and w [H, ...] as `gemv.projection_partials` with the
+    norm inside, summed and cast as its f32 dot is (what the kernel cannot take goes to
+    `normed_dot`)."""
+    w2 = w.reshape(w.shape[0], -1)
+    if ({h.dtype, norm_weight.dtype} != {w.dtype}
+            or gemv.unsupported(h, w2, norm=norm_weight) is not None):
+        return normed_dot(spec, h, norm_weight, eps, w)
+    partials = gemv.projection_partials(h, w2, norm=norm_weight, eps=eps, backend="pallas")
+    return jnp.sum(partials, axis=0).astype(h.dtype).reshape(h.shape[0], *w.shape[1:])
+
+
+def _finish_layer(c, lp, h: jax.Array, attn: jax.Array, backend: str,
+                  per_layer: bool) -> jax.Array:
+    """`decoder.finish_layer` (h [R, H], attn [R' <= R, HQ, D]), its o, gate|up and down
+    projections as split-K partials when `_split_k` takes the gate|up weight of per-layer
+    weights (a stacked layer's slice inside a scan would be copied out for the kernel)."""
+    weight = lp.get("w_gate_up", lp.get("w_gate"))
+    split_k = per_layer and _split_k(h, weight, PARTIAL_MLP_MAX_BYTES, backend)
+    return finish_layer(c, lp, h, attn, dot=_split_k_dot if split_k else decoder._dot)
 
 
 def _split_k_dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`decoder._dot` of x [R, H] and w [H, heads, D] as `gemv.projection_partials`, summed
-    and cast as its f32 dot is (what the kernel cannot take goes to `_dot`)."""
-    w2 = w.reshape(w.shape[0], -1)
-    if x.dtype != w.dtype or gemv.unsupported(x, w2) is not None:
+    """`decoder._dot(spec, x, w)` of x [R, contracted...] and w [contracted..., out...] as
+    `gemv.projection_partials`, summed and cast as its f32 dot is (what the kernel cannot
+    take goes to `_dot`). The rows go in as they are: the kernel masks them, so a single
+    row needs no pad to two."""
+    contracted = x.ndim - 1
+    x2 = x.reshape(x.shape[0], -1)
+    w2 = w.reshape(x2.shape[1], -1)
+    if x.dtype != w.dtype or gemv.unsupported(x2, w2) is not None:
         return decoder._dot(spec, x, w)
-    partials = gemv.projection_partials(x, w2, backend="pallas")
-    return jnp.sum(partials, axis=0).astype(x.dtype).reshape(x.shape[0], *w.shape[1:])
+    partials = gemv.projection_partials(x2, w2, backend="pallas")
+    return jnp.sum(partials, axis=0).astype(x.dtype).reshape(x.shape[0], *w.shape[contracted:])
 
 
 def _after(h: jax.Array, diag: dict) -> jax.Array:

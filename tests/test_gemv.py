@@ -1,6 +1,6 @@
 """The batch-1 projection as split-K partials (`pallas_kernels.gemv`): the Pallas kernel
-(interpret mode on CPU) against its reference and numpy, its default split rule, its
-refusals, and its lowering for CUDA."""
+(interpret mode on CPU), plain and with the RMSNorm inside, against its reference and numpy,
+its default split rule, its refusals, and its lowering for CUDA."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,37 +36,55 @@ def test_partials_sum_to_the_product(rows, k, n, splits, interpret):
 
 
 def test_default_splits_fill_two_waves():
-    # DS-Qwen-1.5B's q/k/v: 32 column blocks, ~2 x 132 programs -> 8 splits of K's 24 blocks
-    assert gemv.default_tuning(2, 1536, 2048)["splits"] == 8
-    # Llama-8B's: 96 column blocks -> 4 splits of 64 blocks
+    # the fewest splits dividing K's blocks for ~2 x 132 programs; DS-Qwen-1.5B's q/k/v: 32
+    # column blocks -> 12 of K's 24 blocks
+    assert gemv.default_tuning(2, 1536, 2048)["splits"] == 12
+    # its down projection: 24 column blocks -> 14 of 140 (not a power of 2: 4 is under a wave)
+    assert gemv.default_tuning(2, 8960, 1536)["splits"] == 14
+    # Llama-8B's q/k/v: 96 column blocks -> 4 splits of 64 blocks
     assert gemv.default_tuning(2, 4096, 6144)["splits"] == 4
     # a wide weight needs no split; K's block count bounds the splits
     assert gemv.default_tuning(2, 1536, 17920)["splits"] == 1
     assert gemv.default_tuning(2, 128, 64)["splits"] == 2
 
 
-def test_refusals():
-    x, w, _ = operands(0, 2, 128, 64)
-    with pytest.raises(ValueError, match=r"x.shape=\(17, 128\): expected at most 16 rows"):
-        gemv.projection_partials(jnp.zeros((17, 128), jnp.bfloat16), w, backend="pallas")
-    with pytest.raises(ValueError, match=r"w.shape=\(100, 64\): expected multiples of"):
-        gemv.projection_partials(jnp.zeros((2, 100), jnp.bfloat16),
-                                 jnp.zeros((100, 64), jnp.bfloat16), backend="pallas")
-    with pytest.raises(ValueError, match=r"w.dtype=float32: expected x's dtype bfloat16"):
-        gemv.projection_partials(x, w.astype(jnp.float32))
-    with pytest.raises(ValueError, match=r"splits=3: expected a divisor of K's 2 blocks"):
-        gemv.projection_partials(x, w, splits=3)
-    with pytest.raises(ValueError, match=r"x.shape=\(2, 128\), w.shape=\(64, 64\)"):
-        gemv.projection_partials(x, w[:64])
-    # what the kernel cannot take runs the reference under "auto"
-    x17 = jnp.ones((17, 128), jnp.bfloat16)
-    got = gemv.projection_partials(x17, w, splits=1)
-    np.testing.assert_array_equal(np.asarray(got[0]),
-                                  np.asarray(x17, np.float32) @ np.asarray(w, np.float32))
+def bf16(a):
+    return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
 
 
-def test_lowers_for_cuda():
+def close_to_bf16_inputs(got, want, x_in, w):
+    """got equals `want` (float64 from float64 inputs) but for rounding each input of the
+    product to bf16: |got - want| <= 2^-7 |x_in| @ |w| (two bf16 ulps per term)."""
+    bound = 2.0 ** -7 * (np.abs(x_in) @ np.abs(np.asarray(w, np.float64))) + 1e-6
+    assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) - bound)
+
+
+@pytest.mark.parametrize("rows,k,n,splits", [(1, 256, 128, 2), (2, 1536, 192, None),
+                                             (3, 128, 64, 1)])
+def test_norm_inside(rows, k, n, splits, interpret):
+    """rms_norm(x, weight, eps) @ w: equal to the reference (decoder.rms_norm) to f32
+    summation order and to numpy in float64 to bf16 rounding; 3 rows pad to 4 for the RMS."""
+    rng = np.random.default_rng(rows * k)
+    x = jnp.asarray(rng.normal(size=(rows, k)) * 3, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(k, n)) / 16, jnp.bfloat16)
+    weight = jnp.asarray(1 + rng.normal(size=(k,)) / 4, jnp.bfloat16)
+    got = gemv.projection_partials(x, w, norm=weight, eps=1e-5, splits=splits,
+                                   backend="pallas", interpret=interpret)
+    ref = gemv.projection_partials(x, w, norm=weight, eps=1e-5, splits=splits,
+                                   backend="reference")
+    assert got.shape == ref.shape == (got.shape[0], rows, n)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=0, atol=1e-5)
+    xf = np.asarray(x, np.float64)
+    normed = xf / np.sqrt(np.mean(xf * xf, axis=1, keepdims=True) + 1e-5)
+    x_in = normed * np.asarray(weight, np.float64)
+    close_to_bf16_inputs(np.asarray(got, np.float64).sum(0), x_in @ np.asarray(w, np.float64),
+                         x_in, w)
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_lowers_for_cuda(normed):
     x, w, _ = operands(1, 2, 1536, 2048)
-    mlir = lower_for_cuda(lambda x, w: gemv.projection_partials(x, w, backend="pallas",
-                                                                interpret=False), x, w)
+    kw = dict(norm=jnp.ones((1536,), jnp.bfloat16)) if normed else {}
+    mlir = lower_for_cuda(lambda x, w: gemv.projection_partials(
+        x, w, backend="pallas", interpret=False, **kw), x, w)
     assert "projection_partials" in mlir

@@ -117,26 +117,28 @@ def test_batch_of_one_steps_as_two_rows(llama, method, monkeypatch):
     assert diag["hidden"].shape[1] == 1 and diag["recall"].shape[1] == 1
 
 
-def test_batch_of_one_projects_a_small_qkv_as_partials(tmp_path, monkeypatch):
-    """On the Pallas path a batch-1 step of a small model (Qwen2: q/k/v bias) projects q/k/v as
-    split-K partials (`layers.PARTIAL_QKV_MAX_BYTES`): the same tokens' logits and cache as
-    XLA's projection, to bf16 rounding."""
+def test_batch_of_one_projects_a_small_model_as_partials(tmp_path, monkeypatch):
+    """On the Pallas path a batch-1 step of a small model (Qwen2: q/k/v bias) runs its four
+    projections as split-K partials (`layers.PARTIAL_QKV_MAX_BYTES`, the pre-norm inside the
+    kernel; `PARTIAL_MLP_MAX_BYTES`): the same tokens' logits and cache as XLA's projections,
+    to bf16 rounding."""
     from sparsejax import layers
     from sparsejax.pallas_kernels import gemv
     from sparsejax.pallas_kernels.common import use_backend
     build("qwen2-bias-sharded", tmp_path, hidden_size=128, num_attention_heads=2,
-          num_key_value_heads=1)
+          num_key_value_heads=1, intermediate_size=192)
     model = sparsejax.from_pretrained(tmp_path, dtype=jnp.bfloat16)
     assert model.config.qkv_bias and model.config.head_dim == 64
     plan = dense_plan(model.config, 16)
     seq = np.random.default_rng(6).integers(0, 97, (1, 24)).astype(np.int32)
     calls = []
     partials = gemv.projection_partials
-    monkeypatch.setattr(gemv, "projection_partials",
-                        lambda *a, **k: calls.append(a[1].shape) or partials(*a, **k))
+    monkeypatch.setattr(gemv, "projection_partials", lambda x, w, **k: calls.append(
+        (x.shape, w.shape, "norm" if k.get("norm") is not None else "")) or partials(x, w, **k))
 
-    def run(max_bytes):
-        monkeypatch.setattr(layers, "PARTIAL_QKV_MAX_BYTES", max_bytes)
+    def run(qkv_bytes, mlp_bytes):
+        monkeypatch.setattr(layers, "PARTIAL_QKV_MAX_BYTES", qkv_bytes)
+        monkeypatch.setattr(layers, "PARTIAL_MLP_MAX_BYTES", mlp_bytes)
         cache = kv.allocate(model.config, 1, 32, page_size=16, dtype=jnp.bfloat16)
         _, cache = sparsejax.prefill(model, cache, seq[:, :20], np.asarray([20]), plan=plan)
         out = []
@@ -146,16 +148,23 @@ def test_batch_of_one_projects_a_small_qkv_as_partials(tmp_path, monkeypatch):
                 out.append(np.asarray(logits[0], np.float32))
         return np.stack(out), cache
 
-    got, got_cache = run(layers.PARTIAL_QKV_MAX_BYTES)
-    assert calls == [(128, 256)] * 4 * model.config.num_layers
-    want, want_cache = run(0)
-    assert len(calls) == 4 * model.config.num_layers
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(got, want, atol=2**-6 * scale)
-    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, atol=2**-6 * max(np.abs(b).max(), 1))
+    qkv_max, mlp_max = layers.PARTIAL_QKV_MAX_BYTES, layers.PARTIAL_MLP_MAX_BYTES
+    want, want_cache = run(0, 0)
+    assert calls == []
+    for qkv_bytes, mlp_bytes, layer_calls in (
+            (qkv_max, 0, [((2, 128), (128, 256), "norm")]),
+            # o takes the attention's one row, the MLP both rows of the step
+            (0, mlp_max, [((1, 128), (128, 128), ""), ((2, 128), (128, 384), ""),
+                          ((2, 192), (192, 128), "")])):
+        calls.clear()
+        got, got_cache = run(qkv_bytes, mlp_bytes)
+        assert calls == layer_calls * 4 * model.config.num_layers
+        scale = np.abs(want).max()
+        np.testing.assert_allclose(got, want, atol=2**-6 * scale)
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+        for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(a, b, atol=2**-6 * max(np.abs(b).max(), 1))
 
 
 def test_cache_is_paged_through_the_table(llama):
