@@ -168,7 +168,7 @@ class Interrupted(KeyboardInterrupt):
         return signal.Signals(self.signum).name
 
 
-_state: dict = {"signal": None, "handled": threading.Event()}
+_state: dict = {"signal": None, "handled": threading.Event(), "ran": False}
 GRACE_S = 5.0   # after a signal, how long the run may take to stop before it is ended
 
 
@@ -195,6 +195,7 @@ class handle_signals:
         _state["handled"].clear()
         if not self.active:
             return self
+        _state["ran"] = True    # from here on `guard_startup`'s handler is past the start
         self.previous, self.previous_wakeup, self.watcher = {}, None, None
         self.previous_unraisable = sys.unraisablehook
         self.read_fd, self.write_fd = os.pipe()
@@ -304,11 +305,15 @@ def guard_startup() -> None:
     Taken also when the parent left them ignored (SIG_IGN: any `command &` of a shell script
     or CI step, which `handle_signals` takes over anyway) or blocked: else a signal sent while
     the program starts (its imports take seconds on a loaded machine) is dropped and the run
-    goes on to replace its outputs."""
+    goes on to replace its outputs. After the command (`handle_signals` gives the signals
+    back to this handler), a signal while the interpreter exits ends it the same way, saying
+    so: what the command wrote was complete before."""
     def stop(signum, frame):
+        when = ("exiting: stopped after the command ended" if _state["ran"] else
+                "starting: stopped, nothing written")
         try:
             os.write(2, f"sparsejax: interrupted by {signal.Signals(signum).name} while "
-                     "starting: stopped, nothing written\n".encode())
+                     f"{when}\n".encode())
         finally:
             os._exit(128 + signum)
 

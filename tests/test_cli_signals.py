@@ -67,6 +67,21 @@ def test_a_signal_while_the_command_starts_stops_it_writing_nothing(tmp_path, pa
     assert out.read_text() == "previous\n" and list(tmp_path.iterdir()) == [out]
 
 
+@pytest.mark.parametrize("command_ran", [False, True])
+def test_the_startup_guard_says_whether_the_command_ran(command_ran):
+    """The guard's handler, given the signals back after the command (`handle_signals`'
+    exit), says the program was exiting, not starting, when one arrives then."""
+    code = ("import os, signal, time; from sparsejax import files; files.guard_startup()\n"
+            + ("with files.handle_signals():\n    pass\n" if command_ran else "")
+            + "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 128 + signal.SIGINT, p.stderr
+    when = ("exiting: stopped after the command ended" if command_ran
+            else "starting: stopped, nothing written")
+    assert p.stderr.strip().endswith(f"sparsejax: interrupted by SIGINT while {when}"), p.stderr
+
+
 @pytest.mark.parametrize("orig_argv,expected", [
     (["py", "-m", "sparsejax", "eval"], True),
     (["py", "-X", "importtime", "-m", "sparsejax", "eval"], True),
