@@ -224,15 +224,10 @@ def _qkv_rows(c, lp, h: jax.Array, backend: str) -> jax.Array:
 
 def _split_k_normed_dot(spec: str, h: jax.Array, norm_weight: jax.Array, eps: float,
                         w: jax.Array) -> jax.Array:
-    """`decoder.normed_dot` of h [R, H] and w [H, ...] as `gemv.projection_partials` with the
-    norm inside, summed and cast as its f32 dot is (what the kernel cannot take goes to
-    `normed_dot`)."""
-    w2 = w.reshape(w.shape[0], -1)
-    if ({h.dtype, norm_weight.dtype} != {w.dtype}
-            or gemv.unsupported(h, w2, norm=norm_weight) is not None):
-        return normed_dot(spec, h, norm_weight, eps, w)
-    partials = gemv.projection_partials(h, w2, norm=norm_weight, eps=eps, backend="pallas")
-    return jnp.sum(partials, axis=0).astype(h.dtype).reshape(h.shape[0], *w.shape[1:])
+    """`decoder.normed_dot` as `_split_k_product` with the norm inside (what the kernel
+    cannot take goes to `normed_dot`)."""
+    out = _split_k_product(h, w, norm=norm_weight, eps=eps)
+    return normed_dot(spec, h, norm_weight, eps, w) if out is None else out
 
 
 def _finish_layer(c, lp, h: jax.Array, attn: jax.Array, backend: str,
@@ -246,16 +241,24 @@ def _finish_layer(c, lp, h: jax.Array, attn: jax.Array, backend: str,
 
 
 def _split_k_dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`decoder._dot(spec, x, w)` of x [R, contracted...] and w [contracted..., out...] as
-    `gemv.projection_partials`, summed and cast as its f32 dot is (what the kernel cannot
-    take goes to `_dot`). The rows go in as they are: the kernel masks them, so a single
-    row needs no pad to two."""
+    """`decoder._dot(spec, x, w)` as `_split_k_product` (what the kernel cannot take goes to
+    `_dot`)."""
+    out = _split_k_product(x, w)
+    return decoder._dot(spec, x, w) if out is None else out
+
+
+def _split_k_product(x: jax.Array, w: jax.Array, norm=None, eps: float = 0.0):
+    """x [R, contracted...] @ w [contracted..., out...] (x first `rms_norm`ed with `norm`) as
+    `gemv.projection_partials`, summed and cast to x's dtype as `decoder._dot` casts its f32
+    dot -> [R, out...]; None where the kernel cannot take them. The rows go in as they are:
+    the kernel masks them, so a single row needs no pad to two."""
     contracted = x.ndim - 1
     x2 = x.reshape(x.shape[0], -1)
     w2 = w.reshape(x2.shape[1], -1)
-    if x.dtype != w.dtype or gemv.unsupported(x2, w2) is not None:
-        return decoder._dot(spec, x, w)
-    partials = gemv.projection_partials(x2, w2, backend="pallas")
+    dtypes = {x.dtype} if norm is None else {x.dtype, norm.dtype}
+    if dtypes != {w.dtype} or gemv.unsupported(x2, w2, norm=norm) is not None:
+        return None
+    partials = gemv.projection_partials(x2, w2, norm=norm, eps=eps, backend="pallas")
     return jnp.sum(partials, axis=0).astype(x.dtype).reshape(x.shape[0], *w.shape[contracted:])
 
 
