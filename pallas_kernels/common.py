@@ -123,6 +123,14 @@ def choose_backend(backend: str, unsupported: str | None) -> str:
 WIDE_OFFSETS_PAST = 2**32
 
 
+def wide_offsets(x) -> bool:
+    """Whether Pallas-Triton indexes kernel operand `x` (an array or its shape and dtype) with
+    64-bit element offsets: past 4 GiB, such as a pool holding every layer of a long cache.
+    Each gathered element's offset then costs 64-bit integer work, which a kernel's knobs
+    must leave time for (`decode_attention.default_tuning`)."""
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize > WIDE_OFFSETS_PAST
+
+
 def wraps_offsets(nbytes: int, itemsize: int) -> bool:
     """Whether a kernel operand of `nbytes` bytes of `itemsize`-byte elements is one whose
     element offsets Pallas-Triton (jax 0.10-0.11) gets wrong: it indexes an operand with

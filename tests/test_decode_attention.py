@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kernel_checks import (E4M3_MAX, E4M3_REL, E4M3_SUBNORMAL_STEP, fp8_cache, fp8_lse_bound,
                            lower_for_cuda, max_row_rel_error, quantize_kv)
-from sparsejax.pallas_kernels import LogitRows, topk_select, topk_select_reference
+from sparsejax.pallas_kernels import LogitRows, common, topk_select, topk_select_reference
 from sparsejax.pallas_kernels.common import dequantize
 from sparsejax.pallas_kernels.decode_attention import (
     UNPOOLED_SCORES, DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
@@ -545,6 +545,39 @@ def test_default_tuning_of_an_fp8_cache():
     assert default_tuning(64, *shape, scores=True, kv_dtype=jnp.float8_e4m3fn) == default_tuning(
         64, *shape, scores=True)
     assert default_tuning(1, *shape, kv_dtype=jnp.bfloat16) == default_tuning(1, *shape)
+
+
+def test_a_pool_past_4_gib_gets_knobs_for_64_bit_offsets():
+    """Pallas-Triton widens an operand's offsets past 4 GiB (not at exactly 4 GiB): a 16-bit
+    pool there, below two waves of row groups, takes 32-token blocks, 2 warps, 3 stages
+    (DS-Qwen-1.5B heads at B=64: 128 row groups); two waves, scores, the scores pass and fp8
+    keep their rules; the kernel asks its pool."""
+    S = jax.ShapeDtypeStruct
+    page = 2 * 16 * 128  # elements of a page of 2 KV heads
+    four_gib = 2**32 // (2 * page)
+    assert not common.wide_offsets(S((four_gib, 2, 16, 128), jnp.bfloat16))
+    assert common.wide_offsets(S((four_gib + 1, 2, 16, 128), jnp.bfloat16))
+    assert not common.wide_offsets(S((four_gib + 1, 2, 16, 128), jnp.float8_e4m3fn))
+    shape = (128, 16, 1024, jnp.bfloat16)
+    knobs = lambda t: (t["block_n"], t["num_warps"], t["num_stages"])  # noqa: E731
+    assert knobs(default_tuning(64, 2, *shape)) == (64, 4, 2)
+    wide = default_tuning(64, 2, *shape, wide_offsets=True)
+    assert knobs(wide) == (32, 2, 3)
+    assert wide["num_splits"] == default_tuning(64, 2, *shape)["num_splits"]
+    assert knobs(default_tuning(1, 8, 128, 16, 8192, jnp.bfloat16, wide_offsets=True)) == (32, 2, 3)
+    for kw in (dict(scores=True), dict(scores=True, values=False),
+               dict(kv_dtype=jnp.float8_e4m3fn)):
+        assert default_tuning(64, 2, *shape, wide_offsets=True, **kw) == default_tuning(
+            64, 2, *shape, **kw)
+    assert default_tuning(64, 8, *shape, wide_offsets=True) == default_tuning(64, 8, *shape)
+    batch, max_pages = 64, 1024
+    for pages, block_n in ((four_gib, 64), (four_gib + 1, 32)):
+        pool = S((pages, 2, 16, 128), jnp.bfloat16)
+        hlo = lower_for_cuda(lambda *a: paged_decode_attention(*a, backend="pallas",
+                                                               interpret=False),
+                             S((batch, 12, 128), jnp.bfloat16), pool, pool,
+                             S((batch, max_pages), jnp.int32), S((batch,), jnp.int32))
+        assert f"block_n={block_n}_" in hlo
 
 
 def test_default_splits_go_down_to_one_key_block():
