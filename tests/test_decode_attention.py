@@ -510,6 +510,13 @@ def test_default_tuning_doubles_key_blocks_for_scores_at_a_full_wave():
     # the scores pass alone streams half the bytes per block: twice the splits
     assert (scored["num_splits"], default_tuning(64, *shape, scores=True, values=False)[
         "num_splits"]) == (2, 4)
+    # the scores pass alone: 2 warps below a wave of row groups (16-bit), 4 from there
+    alone = lambda b, **kw: default_tuning(b, *shape, scores=True, values=False, **kw)  # noqa: E731
+    assert [alone(b)["num_warps"] for b in (1, 8, 16, 17, 64)] == [2, 2, 2, 4, 4]
+    assert alone(8, kv_dtype=jnp.float8_e4m3fn)["num_warps"] == 4
+    assert default_tuning(8, 8, 128, 16, 8192, jnp.float32, scores=True,
+                          values=False)["num_warps"] == 4
+    assert default_tuning(8, *shape, scores=True)["num_warps"] == 4
 
 
 def test_default_splits_are_powers_of_2_once_row_groups_fill_the_sms():
