@@ -34,6 +34,7 @@ import harness  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from kernel_checks import max_row_rel_error  # noqa: E402
 
+from sparsejax.pallas_kernels import common  # noqa: E402
 from sparsejax.pallas_kernels.decode_attention import (  # noqa: E402
     default_tuning, float16_logits_bound, paged_decode_attention,
     paged_decode_attention_reference)
@@ -127,7 +128,8 @@ def sweep(cfg, interpret, configs):
     context = cfg["tune_context"]
     args = make_paged(jax.random.key(1), tuple(sorted(cfg.items())), context)
     base = default_tuning(cfg["batch"], cfg["kv_heads"], cfg["head_dim"], cfg["page_size"],
-                          context // cfg["page_size"], DTYPE)
+                          context // cfg["page_size"], DTYPE,
+                          wide_offsets=common.wide_offsets(args[1]))
     want = reference_rows(args, None)
     tried = []
     for knobs in configs:

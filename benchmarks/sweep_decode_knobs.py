@@ -27,6 +27,7 @@ from bench_decode_attention import make_paged
 from bench_decode_matrix import copy_bandwidth
 from bench_fp8 import OUT_TOL, LSE_TOL, cache_bytes, errors, first_rows, to_fp8
 
+from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.decode_attention import (
     default_tuning, paged_decode_attention, paged_decode_attention_reference)
 
@@ -52,7 +53,8 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
     want = jax.jit(lambda q, pt, ln, c: paged_decode_attention_reference(
         q, page_table=pt, lengths=ln, **c))(q[:rows], table, lens, small)
     base = default_tuning(batch, cfg["kv_heads"], cfg["head_dim"], cfg["page_size"],
-                          context // cfg["page_size"], q.dtype, kv_dtype=cache["k_pages"].dtype)
+                          context // cfg["page_size"], q.dtype, kv_dtype=cache["k_pages"].dtype,
+                          wide_offsets=common.wide_offsets(cache["k_pages"]))
     floor_ms = cache_bytes(batch * context, cfg, kv_dtype) / bandwidth * 1e3
     tried: dict[tuple, dict] = {}
 
