@@ -11,5 +11,6 @@ __all__ = [
     "MODEL_TYPES", "Model", "ModelConfig", "attention_inputs", "attention_projection", "embed",
     "finish_layer", "forward", "from_pretrained", "fuse_layer", "hf_state_dict", "init_params",
     "is_stacked", "layer_params", "load_params", "load_tokenizer", "logits", "param_shapes",
-    "real_model_path", "rope_inv_freq", "save_pretrained", "split_layer", "stack_layers", "token_ids", "unembed", "unstack_layers",
+    "real_model_path", "rope_inv_freq", "save_pretrained", "split_layer", "stack_layers",
+    "token_ids", "unembed", "unstack_layers",
 ]

@@ -59,7 +59,8 @@ def param_shapes(config: ModelConfig) -> Params:
     return shapes
 
 
-def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32,
+                std: float = 0.02) -> Params:
     """Random params as HF initialises them: normal(std) matrices, zero biases, unit norms
     (stacked layout; `unstack_layers` gives the decode layout)."""
     shapes = param_shapes(config)
@@ -169,7 +170,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [..., heads, D] with cos/sin [..., D] (HF's rotate_half convention)."""
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    out = x.astype(jnp.float32) * cos[..., None, :] + rotated.astype(jnp.float32) * sin[..., None, :]
+    out = (x.astype(jnp.float32) * cos[..., None, :]
+           + rotated.astype(jnp.float32) * sin[..., None, :])
     return out.astype(x.dtype)
 
 

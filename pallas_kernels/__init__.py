@@ -20,7 +20,8 @@ from .topk import (Selected, fixed_budget, ratio_budget, threshold_budget, top_p
                    topk_select, topk_select_reference)
 
 __all__ = [
-    "DecodeAttention", "LogitRows", "PrefillAttention", "Selected", "SparseAttention", "fixed_budget",
+    "DecodeAttention", "LogitRows", "PrefillAttention", "Selected", "SparseAttention",
+    "fixed_budget",
     "paged_decode_attention", "paged_decode_attention_reference", "paged_prefill_attention",
     "paged_prefill_attention_reference", "paged_tile_scores", "paged_tile_scores_reference",
     "pool_logit_rows", "quest_page_bound", "quest_page_bound_reference", "ratio_budget",

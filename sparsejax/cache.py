@@ -162,7 +162,8 @@ def dequantized_pages(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
 def check_page_size(page_size) -> None:
     if (not isinstance(page_size, int) or page_size < 1 or page_size > MAX_PAGE_SIZE
             or page_size & (page_size - 1)):
-        raise ValueError(f"page_size={page_size!r}: expected a power of two from 1 to {MAX_PAGE_SIZE}")
+        raise ValueError(f"page_size={page_size!r}: expected a power of two from 1 to "
+                         f"{MAX_PAGE_SIZE}")
 
 
 def config_and_dtype(config_or_model, dtype=None):
@@ -254,7 +255,9 @@ def kv_bytes(config: ModelConfig, batch: int, capacity: int, *, page_size: int =
 
 def cache_bytes(cache: PagedKVCache) -> int:
     """Bytes of a cache's K and V and their scales (concrete or traced)."""
-    size = lambda x: 0 if x is None else math.prod(x.shape) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+    def size(x):
+        return 0 if x is None else math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
     return sum(size(x) for x in (cache.k, cache.v, cache.k_scale, cache.v_scale))
 
 

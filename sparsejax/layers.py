@@ -165,7 +165,8 @@ def _layer(carry: Carry, layer: jax.Array | int, *, model: Model, plan: SparsePl
     table = layer_page_ids(ctx.page_table, layer, num_pages)
     at = LayerContext(ctx, layer, q, kv.k, kv.v, table, state, static_layer,
                       k_scale=kv.k_scale, v_scale=kv.v_scale)
-    attend = _attend if model.mesh is None else sharded_attention.decode_attention(_attend, model.mesh)
+    attend = (_attend if model.mesh is None
+              else sharded_attention.decode_attention(_attend, model.mesh))
     with jax.named_scope(f"attention_{role.name.lower()}"):
         out, sel, attended = attend(role, plan, c, at, carry.sel)
     out = out.astype(carry.h.dtype)

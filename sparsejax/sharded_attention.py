@@ -83,8 +83,8 @@ def _selection_routes(heads: _Heads, groups: str | None, axis: int):
                     functools.partial(heads.gather_kv, axis=axis), P())
         return functools.partial(heads.per_kv, axis=axis), None, spec
     if groups == "query":
-        return (functools.partial(heads.per_q, axis=axis), functools.partial(heads.own_q, axis=axis),
-                spec)
+        return (functools.partial(heads.per_q, axis=axis),
+                functools.partial(heads.own_q, axis=axis), spec)
     return None, None, P()
 
 
@@ -134,7 +134,8 @@ def decode_attention(attend: Callable, mesh) -> Callable:
             lambda path, x: _state_to_device(leaf_name(path), x[at.layer][None], heads),
             at.state)
         retrieval = heads.per_kv(at.step.retrieval[at.layer][None])          # [1, HK * copies]
-        step = at.step._replace(head_map=None, retrieval=None, capacity=None)   # static: closed over
+        # static: closed over
+        step = at.step._replace(head_map=None, retrieval=None, capacity=None)
         spec = _heads_spec(1)
 
         def local(q, k_pages, v_pages, scales, table, step, retrieval, state, sel, local_map,

@@ -55,7 +55,8 @@ CACHE_AXES = {
     "k": (None, "pages", "cache_heads", None, None),   # [L, num_pages, HK * copies, P, D]
     "v": (None, "pages", "cache_heads", None, None),
     # an fp8 cache's scales, one per (token, KV head): laid out like k / v
-    "k_scale": (None, "pages", "cache_heads", None), "v_scale": (None, "pages", "cache_heads", None),
+    "k_scale": (None, "pages", "cache_heads", None),
+    "v_scale": (None, "pages", "cache_heads", None),
     "page_table": ("batch", None), "lengths": ("batch",),
     "kmin": (None, "pages", "cache_heads", None), "kmax": (None, "pages", "cache_heads", None),
     "mu_q": (None, "batch", "heads", None), "mu_k": (None, "batch", "kv_heads", None),
