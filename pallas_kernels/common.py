@@ -128,7 +128,12 @@ def wide_offsets(x) -> bool:
     64-bit element offsets: past 4 GiB, such as a pool holding every layer of a long cache.
     Each gathered element's offset then costs 64-bit integer work, which a kernel's knobs
     must leave time for (`decode_attention.default_tuning`)."""
-    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize > WIDE_OFFSETS_PAST
+    return operand_bytes(x) > WIDE_OFFSETS_PAST
+
+
+def operand_bytes(x) -> int:
+    """Bytes of array (or shape-and-dtype) `x`."""
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 
 def wraps_offsets(nbytes: int, itemsize: int) -> bool:
@@ -147,7 +152,7 @@ def pallas_support(q, k_pages) -> str | None:
     _, num_heads, head_dim = q.shape
     _, kv_heads, page_size, _ = k_pages.shape
     itemsize = jnp.dtype(k_pages.dtype).itemsize
-    nbytes = math.prod(k_pages.shape) * itemsize
+    nbytes = operand_bytes(k_pages)
     if wraps_offsets(nbytes, itemsize):
         return (f"k_pages {k_pages.dtype}{list(k_pages.shape)}: {nbytes} bytes, where "
                 "Pallas-Triton's 32-bit offsets into a 1-byte array wrap; expected at most "

@@ -420,8 +420,7 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     one_byte = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     if not values and sixteen_bit and not one_byte and row_groups < wave:
         num_warps = 2
-    if wide_offsets and values and not scores and sixteen_bit and not one_byte \
-            and row_groups < 2 * wave:
+    if wide_offsets and not scores and sixteen_bit and not one_byte and row_groups < 2 * wave:
         block_n, num_warps, num_stages = min(32, block_n), 2, 3
     if not scores and one_byte:
         num_warps, num_stages = 2, 3
