@@ -5,6 +5,11 @@
     python benchmarks/sweep_decode_knobs.py --model llama-8b --batch 64 --contexts 32768 --kv-dtype fp8
     python benchmarks/sweep_decode_knobs.py --smoke      # tiny shapes, CPU interpret mode
 
+--score sweeps a selecting layer's pass (DELTA's max_heads, Kascade's group_sum, ...;
+--scores-only: the scores pass alone), and --pool-layers N puts the rows' pages at the end of
+a pool of N layers' pages, as the decode step hands each layer the whole every-layer pool
+(past 4 GiB Pallas-Triton indexes it with 64-bit offsets: `common.wide_offsets`).
+
 Per cell: block_n x num_warps x num_stages at the default splits, then the split count (x1/4
 .. x4) at the best of those. Every config is checked against the reference on the first rows
 before it is timed (`harness.device_time_ms`: the kernel and merge_splits' GPU time, what the
@@ -28,6 +33,7 @@ from bench_decode_matrix import copy_bandwidth
 from bench_fp8 import OUT_TOL, LSE_TOL, cache_bytes, errors, first_rows, to_fp8
 
 from sparsejax.pallas_kernels import common
+from sparsejax.pallas_kernels.common import Score
 from sparsejax.pallas_kernels.decode_attention import (
     default_tuning, paged_decode_attention, paged_decode_attention_reference)
 
@@ -36,26 +42,55 @@ WARPS = (2, 4, 8)
 STAGES = (2, 3)
 SPLIT_FACTORS = (0.25, 0.5, 2, 4)
 KNOBS = ("block_n", "num_splits", "num_warps", "num_stages")
+SCORE_TOL = 5e-3   # probabilities through float16 logits (`float16_logits_bound`)
+
+
+def in_pool(k, v, page_table, layers: int):
+    """The layer's pages as the last of `layers` layers of one pool (the others zeros), the
+    page table offset to them, as `cache.layer_page_ids` offsets a layer's."""
+    if layers == 1:
+        return k, v, page_table
+    pad = ((k.shape[0] * (layers - 1), 0),) + ((0, 0),) * (k.ndim - 1)
+    pooled = [jnp.pad(x, pad) for x in (k, v)]
+    k.delete()
+    v.delete()
+    return (*pooled, page_table + k.shape[0] * (layers - 1))
+
+
+def score_error(got, want, score) -> float:
+    """Max |difference| of the first rows' scores where the reference's are finite."""
+    if score is None:
+        return 0.0
+    rows = want.scores.shape[0]
+    g, w = got.scores[:rows], want.scores
+    finite = jnp.isfinite(w)
+    return round(float(jnp.max(jnp.where(finite, jnp.abs(g - w), 0.0))), 6)
 
 
 def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bool,
          bandwidth: float, stages=STAGES, warps=WARPS, block_n=BLOCK_N,
-         split_factors=SPLIT_FACTORS) -> list[dict]:
+         split_factors=SPLIT_FACTORS, score=None, values=True,
+         pool_layers: int = 1) -> list[dict]:
     heads = shapes.MODELS[model]
     cfg = dict(batch=batch, q_heads=heads["num_heads"], kv_heads=heads["num_kv_heads"],
                head_dim=heads["head_dim"], page_size=16)
     q, k, v, page_table, lengths = make_paged(jax.random.key(context + batch),
                                               tuple(sorted(cfg.items())), context)
     q = q.astype(q_dtype)
+    k, v, page_table = in_pool(k, v, page_table, pool_layers)
     cache = dict(k_pages=k, v_pages=v) if kv_dtype == "bf16" else to_fp8(k, v)
     rows = min(batch, 4)
     table, lens, small = first_rows(page_table, lengths, cache, rows)
+    pass_ = dict(score=None if score is None else Score(score), values=values)
     want = jax.jit(lambda q, pt, ln, c: paged_decode_attention_reference(
-        q, page_table=pt, lengths=ln, **c))(q[:rows], table, lens, small)
+        q, page_table=pt, lengths=ln, **c, **pass_))(q[:rows], table, lens, small)
+    wide = common.wide_offsets(cache["k_pages"])
     base = default_tuning(batch, cfg["kv_heads"], cfg["head_dim"], cfg["page_size"],
                           context // cfg["page_size"], q.dtype, kv_dtype=cache["k_pages"].dtype,
-                          wide_offsets=common.wide_offsets(cache["k_pages"]))
-    floor_ms = cache_bytes(batch * context, cfg, kv_dtype) / bandwidth * 1e3
+                          wide_offsets=wide,
+                          scores=score is not None, values=values)
+    floor_ms = (cache_bytes(batch * context, cfg, kv_dtype) / (1 if values else 2)
+                / bandwidth * 1e3)
     tried: dict[tuple, dict] = {}
 
     def measure(tuning):
@@ -65,11 +100,15 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
         entry = dict(tuning)
         try:
             fn = harness.compiled(lambda q, pt, ln, c: paged_decode_attention(
-                q, page_table=pt, lengths=ln, **c, backend="pallas", interpret=smoke,
-                **tuning), q, page_table, lengths, cache)
-            err = errors(fn(q, page_table, lengths, cache), want)
+                q, page_table=pt, lengths=ln, **c, **pass_, backend="pallas",
+                interpret=smoke, **tuning), q, page_table, lengths, cache)
+            got = fn(q, page_table, lengths, cache)
+            err = errors(got, want) if values else dict(out_err=0.0, lse_err=round(float(
+                jnp.max(jnp.abs(got.lse[:rows] - want.lse))), 6))
+            err["score_err"] = score_error(got, want, score)
             entry.update(err)
-            if err["out_err"] <= OUT_TOL and err["lse_err"] <= LSE_TOL:
+            if (err["out_err"] <= OUT_TOL and err["lse_err"] <= LSE_TOL
+                    and err["score_err"] <= SCORE_TOL):
                 ms = (harness.time_ms(fn, q, page_table, lengths, cache, calls=1, repeats=1)
                       if smoke else harness.device_time_ms(fn, q, page_table, lengths, cache))
                 entry.update(ms=round(ms, 4), ratio_to_floor=round(ms / floor_ms, 3))
@@ -95,12 +134,16 @@ def cell(model: str, batch: int, context: int, kv_dtype: str, q_dtype, smoke: bo
         x.delete()
     gc.collect()
     out = []
+    case = f"{model}/{kv_dtype}/q={jnp.dtype(q_dtype).name}"
+    if score is not None:
+        case += f"/{score}" + ("" if values else "/scores_only")
     for e in tried.values():
         out.append(harness.row(
-            f"{model}/{kv_dtype}/q={jnp.dtype(q_dtype).name}", context=context, batch=batch,
+            case, context=context, batch=batch, pool_layers=pool_layers,
+            wide_offsets=wide,
             ms=e.get("ms"), floor=floor_ms, default=e is default, best=e is best,
-            **{n: e[n] for n in KNOBS}, **{n: e[n] for n in ("out_err", "lse_err", "error")
-                                            if n in e}))
+            **{n: e[n] for n in KNOBS},
+            **{n: e[n] for n in ("out_err", "lse_err", "score_err", "error") if n in e}))
     return out
 
 
@@ -120,6 +163,12 @@ def main():
     p.add_argument("--split-factors", type=float, nargs="+", default=list(SPLIT_FACTORS),
                    help="split counts tried at the best config, as multiples of its count "
                         f"(default {' '.join(map(str, SPLIT_FACTORS))})")
+    p.add_argument("--score", choices=[s.value for s in list(Score)[:4]], default=None,
+                   help="a selecting layer's pass: the kernel also writes these scores")
+    p.add_argument("--scores-only", action="store_true",
+                   help="with --score: the scores pass alone (V never read)")
+    p.add_argument("--pool-layers", type=int, default=1,
+                   help="the rows' pages sit at the end of a pool of this many layers")
     p.add_argument("--name", default="decode_knobs", help="results/<name>.json")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args()
@@ -130,9 +179,10 @@ def main():
     for batch, context in itertools.product(a.batch, a.contexts):
         rows += cell(a.model, batch, context, a.kv_dtype, jnp.dtype(a.q_dtype), a.smoke,
                      bandwidth, tuple(a.stages), tuple(a.warps), tuple(a.block_n),
-                     tuple(a.split_factors))
+                     tuple(a.split_factors), a.score, not a.scores_only, a.pool_layers)
     picked = [r for r in rows if r["default"] or r["best"]]
-    harness.print_table(picked, cols=("case", "context", "batch", *KNOBS, "ms", "floor_ms",
+    harness.print_table(picked, cols=("case", "context", "batch", "pool_layers", *KNOBS, "ms",
+                                      "floor_ms",
                                       "ratio_to_floor", "default", "best"))
     if not a.smoke:
         harness.write_results(harness.per_gpu_name(a.name), rows,
