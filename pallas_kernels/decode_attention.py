@@ -375,9 +375,12 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     num_warps=4, num_stages=2; without scores and with 16-bit inputs, 2 warps once the row
       groups fill two waves (a little faster there; the scores kernel is slower at 2 warps,
       and float32's heavier dots keep 4).
-    With scores and at least one program per SM before splitting: K tiles of 32 KiB
-      (block_n 128 at D=128 bf16) and num_stages 3, half the loop steps that also store
-      logits.
+    With scores and at least one program per SM before splitting, or with scores and values
+      on a 16-bit pool past 4 GiB (`wide_offsets`, below): K tiles of 32 KiB (block_n 128 at
+      D=128 bf16) and num_stages 3, half the loop steps that also store logits (H200,
+      DELTA's max_heads pass in a 28- and 32-layer pool: DS-Qwen-1.5B heads B=64 x 16k
+      0.321 -> 0.293 ms, Llama-8B heads B=8 x 32k 0.339 -> 0.301, B=1 x 128k 0.153 -> 0.154;
+      the scores pass alone is 2% slower so, and keeps its knobs).
     values=False (the scores pass alone, half the bytes per key block): twice the splits, so
       each program still streams about as many bytes; below a wave of row groups, with a
       16-bit cache, 2 warps (H200: Llama-8B heads B=8 x 32k 0.178 -> 0.144 ms, DS-Qwen-1.5B
@@ -407,7 +410,10 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     num_stages = 2
     row_groups = batch * kv_heads
     wave = common.num_sms()
-    if scores and row_groups >= wave:
+    sixteen_bit = jnp.dtype(dtype).itemsize == 2
+    one_byte = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
+    wide_16_bit = wide_offsets and sixteen_bit and not one_byte
+    if scores and (row_groups >= wave or (wide_16_bit and values)):
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
     num_splits = common.cdiv(4 * wave, row_groups)
@@ -415,12 +421,10 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
         num_splits = 1 << (num_splits.bit_length() - 1)
     num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
-    sixteen_bit = jnp.dtype(dtype).itemsize == 2
     num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * wave else 4
-    one_byte = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     if not values and sixteen_bit and not one_byte and row_groups < wave:
         num_warps = 2
-    if wide_offsets and not scores and sixteen_bit and not one_byte and row_groups < 2 * wave:
+    if wide_16_bit and not scores and row_groups < 2 * wave:
         block_n, num_warps, num_stages = min(32, block_n), 2, 3
     if not scores and one_byte:
         num_warps, num_stages = 2, 3
