@@ -17,7 +17,8 @@ jitted call running the projection on every copy; GPU time per projection
           [splits, 2, N]; `us_kernel` the kernel alone over `tilings` (every split of K's
           blocks giving 1-12 waves), `us_with_sum` with XLA's sum of the splits and cast for
           the BEST fastest.
-    SHAPES=qwen/o,qwen/down limits the shapes.
+    SHAPES=qwen/o,qwen/down limits the shapes; ROWS=64 gives x 64 rows (a batch of 64; the
+    kernel's tile then has 64 rows); WARPS_STAGES=4x4,8x3 sets the warps x stages tried.
           (Results before 2026-11-29 came from a copy of the kernel that padded x to 16
           rows in XLA instead of masking them.)
 Results: results/gemv_probe.json (TAG in the name when set) and a copy in $OUT.
@@ -41,6 +42,9 @@ SHAPES = {"qwen/qkv": (1536, 2048), "qwen/o": (1536, 1536), "qwen/gate_up": (153
 
 
 BEST = 3   # tilings per shape also timed with XLA's sum of the partials
+ROWS = int(os.environ.get("ROWS", 2))   # x's rows: 2 (a batch of one as the step runs it)
+WARPS_STAGES = tuple(tuple(map(int, ws.split("x"))) for ws in
+                     os.environ.get("WARPS_STAGES", "4x3,4x4").split(","))
 
 
 def gemv(x, w, *, block_k, block_n, splits, warps, stages):
@@ -62,7 +66,7 @@ def tilings(K: int, N: int, sms: int):
             waves = N // block_n * splits / sms
             if splits > 1 and not 0.9 <= waves <= 12:
                 continue
-            for warps, stages in ((4, 3), (4, 4)):
+            for warps, stages in WARPS_STAGES:
                 yield block_n, block_k, splits, warps, stages
 
 
@@ -74,7 +78,7 @@ def main():
             continue
         copies = max(2, -(-400_000_000 // (K * N * 2)))
         ws = [jax.random.normal(jax.random.key(i), (K, N), jnp.bfloat16) for i in range(copies)]
-        x = jax.random.normal(jax.random.key(99), (2, K), jnp.bfloat16)
+        x = jax.random.normal(jax.random.key(99), (ROWS, K), jnp.bfloat16)
         floor_us = K * N * 2 / 4.8e12 * 1e6
         xla = jax.jit(lambda x, ws: [jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32
                                                 ).astype(x.dtype) for w in ws])
@@ -103,7 +107,7 @@ def main():
         rows.append(dict(shape=name, impl="pallas_sweep", tried=[
             dict(cfg, us_kernel=round(t, 2)) for t, cfg in tried]))
         del ws
-    harness.write_results("gemv_probe" + os.environ.get("TAG", ""), rows,
+    harness.write_results("gemv_probe" + os.environ.get("TAG", ""), rows, x_rows=ROWS,
                           xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 

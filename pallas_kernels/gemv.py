@@ -1,13 +1,15 @@
-"""A batch-1 projection as split-K partial sums: x [R <= 16, K] @ w [K, N] streamed by many
+"""A batch-1 projection as split-K partial sums: x [R <= 64, K] @ w [K, N] streamed by many
 programs, optionally with the RMSNorm that feeds it done on the way in.
 
 At batch 1 XLA's gemm of a small model's fused q/k/v weight (DS-R1-Distill-Qwen-1.5B's
 [1536, 2048], 6.3 MB) runs ~8 us in the decode step, 6x its HBM floor: too few programs
 stream the weight. Here one program per (block of N, slice of K) runs a short loop of
-[16, block_k] x [block_k, block_n] tensor-core dots (the rows past R masked to zero) and
-stores its f32 partial; the caller sums the slices (one small XLA fusion, with the cast and
-a bias or the residual). Which projections take it is the caller's rule
-(`layers.PARTIAL_QKV_MAX_BYTES`, `layers.PARTIAL_MLP_MAX_BYTES`, docs/tuning.md).
+[M, block_k] x [block_k, block_n] tensor-core dots (R padded to M = 16, 32 or 64, the rows
+past R masked to zero) and stores its f32 partial; the caller sums the slices (one small XLA
+fusion, with the cast and a bias or the residual). Which projections take it is the caller's
+rule (`layers.PARTIAL_QKV_MAX_BYTES`, `layers.PARTIAL_MLP_MAX_BYTES`, docs/tuning.md); at 64
+rows it is no faster than XLA's gemm once the partials are summed (docs/tuning.md), so the
+step runs it at batch 1 only.
 
 norm=weight: the product is rms_norm(x, weight, eps) @ w. Every program finds its rows' RMS
 over all of K once, then normalizes each slice it loads: the pre-norm q/k/v projection
@@ -29,7 +31,7 @@ from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
 
-MAX_ROWS = 16   # the rows one Triton dot takes; more rows are not a GEMV
+MAX_ROWS = 64   # rows of x: a skinny product, one [block_m, block_k] tile of x per step
 WAVES = 2       # the default split count aims at ~2 waves of programs (one per SM each)
 MAX_NORM_ELEMENTS = 16384   # rows x K (padded to powers of 2) one program loads for the RMS
 
@@ -45,6 +47,11 @@ def default_tuning(rows: int, k: int, n: int) -> dict:
     splits = next((d for d in range(1, blocks_k + 1) if blocks_k % d == 0 and d >= want),
                   blocks_k)
     return dict(block_k=block_k, block_n=block_n, splits=splits, num_warps=4, num_stages=4)
+
+
+def block_rows(rows: int) -> int:
+    """The dot's M: rows padded to a power of 2, at least the 16 a Triton dot takes."""
+    return max(16, common.next_power_of_2(rows))
 
 
 def unsupported(x, w, block_k: int = 64, block_n: int = 64, *, norm=None) -> str | None:
@@ -64,7 +71,7 @@ def unsupported(x, w, block_k: int = 64, block_n: int = 64, *, norm=None) -> str
 
 
 def _row_rms(x_ref, rows: int, k: int, eps: float):
-    """1 / RMS of each of the 16 dot rows of x [rows, K] (rows past `rows`: any value): the
+    """1 / RMS of each of the dot's rows of x [rows, K] (rows past `rows`: any value): the
     [rows, K] block loaded once, padded to powers of 2, as `decoder.rms_norm` does in f32."""
     r, kp = common.next_power_of_2(rows), common.next_power_of_2(k)
     row, col = jnp.arange(r), jnp.arange(kp)
@@ -72,9 +79,9 @@ def _row_rms(x_ref, rows: int, k: int, eps: float):
                    mask=(row[:, None] < rows) & (col[None, :] < k), other=0.0)
     x = x.astype(jnp.float32)
     inv = lax.rsqrt(jnp.sum(x * x, axis=1) / k + eps)                                   # [r]
-    dot_row = jnp.arange(MAX_ROWS)
+    dot_row = jnp.arange(block_rows(rows))
     return sum(jnp.where(dot_row == i, jnp.sum(jnp.where(row == i, inv, 0.0)), 0.0)
-               for i in range(r))                                                     # [16]
+               for i in range(r))                                                      # [M]
 
 
 def _kernel(x_ref, w_ref, *refs, rows: int, block_k: int, block_n: int, steps: int,
@@ -82,14 +89,14 @@ def _kernel(x_ref, w_ref, *refs, rows: int, block_k: int, block_n: int, steps: i
     norm_ref, out_ref = refs if normed else (None, refs[0])
     n, s = pl.program_id(0), pl.program_id(1)
     cols = n * block_n + jnp.arange(block_n)
-    row = jnp.arange(MAX_ROWS)
+    row = jnp.arange(block_rows(rows))
     live = row < rows
     k = w_ref.shape[0]
     dtype = w_ref.dtype
     inv_rms = _row_rms(x_ref, rows, k, eps) if normed else None
 
     def inputs(ks):
-        """The product's input rows at K columns ks: [16, block_k] in w's dtype."""
+        """The product's input rows at K columns ks: [M, block_k] in w's dtype."""
         x = plgpu.load(x_ref.at[row[:, None], ks[None, :]], mask=live[:, None], other=0.0)
         if normed:    # rms_norm: f32, cast back before the weight
             x = (x.astype(jnp.float32) * inv_rms[:, None]).astype(dtype)
@@ -102,7 +109,7 @@ def _kernel(x_ref, w_ref, *refs, rows: int, block_k: int, block_n: int, steps: i
         w = plgpu.load(w_ref.at[ks[:, None], cols[None, :]])
         return acc + jnp.dot(inputs(ks), w, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, steps, step, jnp.zeros((MAX_ROWS, block_n), jnp.float32))
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((block_rows(rows), block_n), jnp.float32))
     plgpu.store(out_ref.at[s, row[:, None], cols[None, :]], acc, mask=live[:, None])
 
 
@@ -147,7 +154,7 @@ def projection_partials(x, w, *, norm=None, eps: float = 1e-6, splits: int | Non
                         block_k: int | None = None, block_n: int | None = None,
                         num_warps: int | None = None, num_stages: int | None = None,
                         backend: str = "auto", interpret: bool | None = None) -> jax.Array:
-    """x [R, K] (R <= 16; bf16 or f16) @ w [K, N] (x's dtype) as f32 partial sums over
+    """x [R, K] (R <= 64; bf16 or f16) @ w [K, N] (x's dtype) as f32 partial sums over
     `splits` equal slices of K -> [splits, R, N]; their sum over axis 0 is the product.
     norm: [K] RMSNorm weight in x's dtype; the product is then rms_norm(x, norm, eps) @ w.
     Knobs None take `default_tuning`; a shape the kernel cannot take (`unsupported`) runs the

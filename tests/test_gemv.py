@@ -18,7 +18,8 @@ def operands(seed, rows, k, n, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("rows,k,n,splits", [(1, 128, 64, 2), (2, 256, 192, 4), (16, 64, 128, 1),
-                                             (2, 1536, 2048, None)])
+                                             (2, 1536, 2048, None), (40, 128, 64, 2),
+                                             (64, 256, 128, 2)])
 def test_partials_sum_to_the_product(rows, k, n, splits, interpret):
     x, w, want = operands(rows + k, rows, k, n)
     got = gemv.projection_partials(x, w, splits=splits, backend="pallas", interpret=interpret)
