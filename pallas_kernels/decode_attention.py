@@ -376,11 +376,14 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
       groups fill two waves (a little faster there; the scores kernel is slower at 2 warps,
       and float32's heavier dots keep 4).
     With scores and at least one program per SM before splitting, or with scores and values
-      on a 16-bit pool past 4 GiB (`wide_offsets`, below): K tiles of 32 KiB (block_n 128 at
-      D=128 bf16) and num_stages 3, half the loop steps that also store logits (H200,
-      DELTA's max_heads pass in a 28- and 32-layer pool: DS-Qwen-1.5B heads B=64 x 16k
-      0.321 -> 0.293 ms, Llama-8B heads B=8 x 32k 0.339 -> 0.301, B=1 x 128k 0.153 -> 0.154;
-      the scores pass alone is 2% slower so, and keeps its knobs).
+      on a 16-bit pool past 4 GiB (`wide_offsets`, below) from a quarter of a wave of row
+      groups: K tiles of 32 KiB (block_n 128 at D=128 bf16) and num_stages 3, half the loop
+      steps that also store logits (H200, DELTA's max_heads pass in a 28- and 32-layer pool:
+      DS-Qwen-1.5B heads B=64 x 16k 0.321 -> 0.293 ms, Llama-8B heads B=8 x 32k 0.339 ->
+      0.301). Fewer row groups split into many short programs, one of which these tiles
+      leave per SM: Llama-8B B=1 x 128k 0.153 -> 0.154, and Lychee's pass for one KV head of
+      eight at B=8 x 32k about twice as slow (its step 8.88 -> 9.85 ms busy); they keep the
+      knobs below, as does the scores pass alone (2% slower so).
     values=False (the scores pass alone, half the bytes per key block): twice the splits, so
       each program still streams about as many bytes; below a wave of row groups, with a
       16-bit cache, 2 warps (H200: Llama-8B heads B=8 x 32k 0.178 -> 0.144 ms, DS-Qwen-1.5B
@@ -413,7 +416,7 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
     one_byte = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
     wide_16_bit = wide_offsets and sixteen_bit and not one_byte
-    if scores and (row_groups >= wave or (wide_16_bit and values)):
+    if scores and (row_groups >= wave or (wide_16_bit and values and 4 * row_groups >= wave)):
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
     num_splits = common.cdiv(4 * wave, row_groups)

@@ -557,9 +557,10 @@ def test_default_tuning_of_an_fp8_cache():
 def test_a_pool_past_4_gib_gets_knobs_for_64_bit_offsets():
     """Pallas-Triton widens an operand's offsets past 4 GiB (not at exactly 4 GiB): a 16-bit
     pool there, below two waves of row groups, takes 32-token blocks, 2 warps, 3 stages
-    (DS-Qwen-1.5B heads at B=64: 128 row groups); a pass with scores and values takes the
-    32 KiB tiles and 3 stages of a full wave's scores rule at any batch; two waves, the scores
-    pass alone and fp8 keep their rules; the kernel asks its pool."""
+    (DS-Qwen-1.5B heads at B=64: 128 row groups); a pass with scores and values from a
+    quarter of a wave of row groups takes the 32 KiB tiles and 3 stages of a full wave's
+    scores rule; two waves, fewer row groups, the scores pass alone and fp8 keep their rules;
+    the kernel asks its pool."""
     S = jax.ShapeDtypeStruct
     page = 2 * 16 * 128  # elements of a page of 2 KV heads
     four_gib = 2**32 // (2 * page)
@@ -576,8 +577,11 @@ def test_a_pool_past_4_gib_gets_knobs_for_64_bit_offsets():
     scored = default_tuning(64, 2, *shape, wide_offsets=True, scores=True)
     assert knobs(scored) == (128, 4, 3)
     assert knobs(default_tuning(64, 2, *shape, scores=True)) == (64, 4, 2)
-    assert knobs(default_tuning(1, 8, 128, 16, 8192, jnp.bfloat16, wide_offsets=True,
-                                scores=True)) == (128, 4, 3)
+    assert knobs(default_tuning(8, 8, 128, 16, 2048, jnp.bfloat16, wide_offsets=True,
+                                scores=True)) == (128, 4, 3)    # 64 row groups
+    for batch in (1, 4):   # 8 and 32 row groups: many short splits
+        assert knobs(default_tuning(batch, 8, 128, 16, 8192, jnp.bfloat16, wide_offsets=True,
+                                    scores=True)) == (64, 4, 2)
     for kw in (dict(scores=True, values=False), dict(kv_dtype=jnp.float8_e4m3fn),
                dict(scores=True, kv_dtype=jnp.float8_e4m3fn)):
         assert default_tuning(64, 2, *shape, wide_offsets=True, **kw) == default_tuning(
