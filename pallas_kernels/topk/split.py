@@ -65,6 +65,11 @@ def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [s
     row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
                                         force_first=force_first, force_last=force_last)
     shift = shift_ref[0]
+    start = chunk * block_n
+    # The first tile's keys do not depend on the last pass: loaded before its histograms, the
+    # two reads overlap (a chunk past `valid` reads nothing: its keys are all missing).
+    _, first_keys = _tile_keys(scores_ref, rows, row_ok, valid, start, block_sel, force_first,
+                               force_last)
     prefix = plgpu.load(prefix_ref.at[rows], mask=row_ok, other=0)
     digit = _next_digit(*_load_pass(hist_ref, above_ref, rows, row_ok), budget)
     # The first pass has no last pass (its inputs are zeros): it starts from prefix 0.
@@ -72,17 +77,14 @@ def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [s
     prefix = jnp.where(shift + RADIX_BITS < 32, prefix | lax.shift_left(digit, last_shift),
                        prefix)
     low = prefix ^ INT32_MIN  # the range's lower end as a signed key
-    start = chunk * block_n
     half = RADIX_BINS // 2
     pairs = lax.iota(jnp.int32, half)[None, :]                                      # [1, B/2]
 
     # Two bins per int32: digit d adds 1 << 16 * (d // 8) at pair d % 8, so eight compares
     # count sixteen bins (a tile's counts fit 16 bits: block_sel <= 2**15; the sum of both
     # fields stays below 2**32, read back with logical shifts).
-    def count_tile(i, counts):
+    def count(key, counts):
         low_bins, high_bins, above = counts
-        _, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel, block_sel,
-                            force_first, force_last)
         reached = (key != MISSING_KEY) & (key >= low[:, None])                     # u >= p
         digit = lax.shift_right_logical(key - low[:, None], shift)  # (u - p) >> s, unsigned
         in_range = reached & (digit >= 0) & (digit < RADIX_BINS)
@@ -94,10 +96,15 @@ def _radix_pass_kernel(shift_ref,       # [1] int32: this pass reads key bits [s
         return (low_bins + (packed & 0xFFFF), high_bins + lax.shift_right_logical(packed, 16),
                 above + jnp.sum((reached & ~in_range).astype(jnp.int32), axis=1))
 
+    def count_tile(i, counts):
+        _, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel, block_sel,
+                            force_first, force_last)
+        return count(key, counts)
+
     zeros = jnp.zeros((1, half), jnp.int32)
-    low_bins, high_bins, above = lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel),
-                                               count_tile,
-                                               (zeros, zeros, jnp.zeros((1,), jnp.int32)))
+    counts = count(first_keys, (zeros, zeros, jnp.zeros((1,), jnp.int32)))
+    low_bins, high_bins, above = lax.fori_loop(
+        1, _chunk_tiles(valid, start, block_n, block_sel), count_tile, counts)
     for first_bin, bins in ((0, low_bins), (half, high_bins)):
         plgpu.store(hist_out_ref.at[rows[:, None], chunk, first_bin + pairs], bins,
                     mask=row_ok[:, None])
@@ -120,6 +127,9 @@ def _compact_kernel(scores_ref,   # [R, N] float32
     rows, chunk = pl.program_id(0) + lax.iota(jnp.int32, 1), pl.program_id(1)       # [1], ()
     row_ok, valid, budget = _row_budget(valid_ref, k_row_ref, rows, n=n, k=k,
                                         force_first=force_first, force_last=force_last)
+    start = chunk * block_n
+    first = _tile_keys(scores_ref, rows, row_ok, valid, start, block_sel, force_first,
+                       force_last)   # read beside the histograms, as in the passes
     prefix = plgpu.load(prefix_ref.at[rows], mask=row_ok, other=0)
     hist, above = _load_pass(hist_ref, above_ref, rows, row_ok)
     digit = _next_digit(hist, above, budget)[:, None, None]                         # [1, 1, 1]
@@ -132,15 +142,16 @@ def _compact_kernel(scores_ref,   # [R, N] float32
     before = lax.iota(jnp.int32, above_chunk.shape[1])[None, :] < chunk
     seen = (jnp.sum(jnp.where(before, above_chunk, 0), axis=1),
             jnp.sum(jnp.where(before, ties_chunk, 0), axis=1))
-    start = chunk * block_n
+
+    def keep(tile, seen):
+        return _keep_tile(indices_ref, rows[:, None], row_ok, *tile, thr, ties_wanted, seen, k)
 
     def keep_tile(i, seen):
-        cols, key = _tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel,
-                               block_sel, force_first, force_last)
-        return _keep_tile(indices_ref, rows[:, None], row_ok, cols, key, thr, ties_wanted,
-                          seen, k)
+        return keep(_tile_keys(scores_ref, rows, row_ok, valid, start + i * block_sel,
+                               block_sel, force_first, force_last), seen)
 
-    lax.fori_loop(0, _chunk_tiles(valid, start, block_n, block_sel), keep_tile, seen)
+    lax.fori_loop(1, _chunk_tiles(valid, start, block_n, block_sel), keep_tile,
+                  keep(first, seen))
     share = common.cdiv(k, num_chunks)  # padding slots per program
     _pad_slots(indices_ref, rows[:, None], row_ok, budget, chunk * share, share, k=k,
                block_k=block_k)
