@@ -415,7 +415,8 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     wave = common.num_sms()
     sixteen_bit = jnp.dtype(dtype).itemsize == 2
     one_byte = kv_dtype is not None and jnp.dtype(kv_dtype).itemsize == 1
-    wide_16_bit = wide_offsets and sixteen_bit and not one_byte
+    cache_16_bit = sixteen_bit and not one_byte
+    wide_16_bit = wide_offsets and cache_16_bit
     if scores and (row_groups >= wave or (wide_16_bit and values and 4 * row_groups >= wave)):
         block_n, num_stages = min(2 * block_n, common.next_power_of_2(max_tokens)), 3
         max_blocks = common.cdiv(max_tokens, block_n)
@@ -425,7 +426,7 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
     num_splits *= 1 if values else 2
     num_splits = max(1, min(num_splits, max_blocks))
     num_warps = 2 if not scores and sixteen_bit and row_groups >= 2 * wave else 4
-    if not values and sixteen_bit and not one_byte and row_groups < wave:
+    if not values and cache_16_bit and row_groups < wave:
         num_warps = 2
     if wide_16_bit and not scores and row_groups < 2 * wave:
         block_n, num_warps, num_stages = min(32, block_n), 2, 3

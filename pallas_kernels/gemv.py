@@ -31,7 +31,7 @@ from sparsejax.models.decoder import rms_norm
 from sparsejax.pallas_kernels import common
 from sparsejax.pallas_kernels.common import pl, plgpu
 
-MAX_ROWS = 64   # rows of x: a skinny product, one [block_m, block_k] tile of x per step
+MAX_ROWS = 64   # rows of x: one [block_rows(R), block_k] tile of x per loop step
 WAVES = 2       # the default split count aims at ~2 waves of programs (one per SM each)
 MAX_NORM_ELEMENTS = 16384   # rows x K (padded to powers of 2) one program loads for the RMS
 
