@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import datetime
 import functools
 import json
@@ -59,7 +60,8 @@ from sparsejax.models import forward, unembed
 RESULTS = Path(__file__).resolve().parent / "results"
 OUT = RESULTS / "fidelity_real.json"
 TASKS = ("passkey", "niah", "multikey", "qa")
-# name -> (registry method, fitted files used); "+resa" wraps it in RESA (λ = 1)
+# name -> (registry method, fitted files used); "+resa" wraps it in RESA (λ = 1), "@pP" sets
+# pages of P tokens (e.g. delta@p8)
 VARIANTS = {
     "dense": ("dense", True), "oracle": ("oracle", True), "streaming": ("streaming", True),
     "quest": ("quest", True), "tidal": ("tidal", True),
@@ -83,10 +85,14 @@ FORWARD_SCORES = 2 ** 27    # attention scores per head a forward chunk holds (r
 
 
 def build_method(name: str, config, ratio: float, fitted: M.Fitted):
+    """A variant's method at `ratio`; "NAME@pP" is NAME with pages of P tokens (DELTA, Quest)."""
     base, resa = name.removesuffix("+resa"), name.endswith("+resa")
+    base, _, page_size = base.partition("@p")
     registry, use_fitted = VARIANTS[base]
     method = M.REGISTRY[registry].at_budget(config, M.Ratio(ratio),
                                             fitted if use_fitted else M.Fitted())
+    if page_size:
+        method = dataclasses.replace(method, page_size=int(page_size))
     return M.RESA(method) if resa else method
 
 

@@ -176,7 +176,8 @@ def random_state(config, plan, cache, context, key):
 def method(name: str, config, context: int, ratio: float = 0.1):
     """The benchmark's version of each method for a model of this depth.
 
-    delta: the paper's Δ-layers scaled to the depth, 64 pages of 16 (1024 tokens)
+    delta: the paper's Δ-layers scaled to the depth, 64 pages of 16 (1024 tokens); delta@pP:
+      pages of P tokens, as many as make 1024 tokens
     kascade: 5 anchors scaled to the depth, 10% of the context (at least 128)
     lychee: layer 0 all retrieval and 1/8 of the other (layer, KV head) pairs retrieval heads,
       TopK(4096) tokens, 128 sinks, 256 recent
@@ -190,6 +191,9 @@ def method(name: str, config, context: int, ratio: float = 0.1):
         m = M.Dense()
     elif base == "delta":
         m = M.DELTA().scaled_to(L)
+    elif base.startswith("delta@p") and base[7:].isdigit():
+        page_size = int(base[7:])
+        m = M.DELTA(page_size=page_size, budget_pages=1024 // page_size).scaled_to(L)
     elif base == "kascade":
         m = M.Kascade(ratio=ratio).scaled_to(L)
     elif base == "lychee":
@@ -197,7 +201,8 @@ def method(name: str, config, context: int, ratio: float = 0.1):
     elif base == "quest":
         m = M.Quest(token_budget=1024)
     else:
-        raise ValueError(f"method {name!r}: expected one of {METHOD_NAMES}")
+        raise ValueError(f"method {name!r}: expected one of {METHOD_NAMES} "
+                         "(delta@pP: DELTA with pages of P tokens)")
     return M.RESA(m) if name.endswith("+resa") else m
 
 
