@@ -794,5 +794,5 @@ def attended_mask(indices, count, lengths, *, num_positions: int, num_heads: int
     cover = jnp.repeat(cover[..., :num_units], unit, axis=-1)[..., :num_positions]
     mask = cover[:, common.group_of_head(groups, num_heads, num_kv_heads, head_map), :]
     if dense_heads is not None:
-        mask = mask | dense_heads[jnp.arange(num_heads) // group_size][None, :, None]
+        mask = mask | jnp.asarray(dense_heads)[jnp.arange(num_heads) // group_size][None, :, None]
     return mask & (jnp.arange(num_positions) < lengths[:, None, None])

@@ -291,7 +291,8 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     if role == Role.SELECT:
         r = _dense(at, **route.kernel_args())
         return r.out, select(r.scores), None
-    head_map = attended_head_map(role, s, at.step.head_map[at.layer])
+    head_map_row, retrieval_row = _layer_rows(plan, config, at)
+    head_map = attended_head_map(role, s, head_map_row)
     dense_heads = None
     dense_out = None
     logits = None
@@ -301,7 +302,7 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
     elif role == Role.HYBRID:
         # Retrieval heads attend densely (only their KV heads are computed) and choose their
         # group's next selection; sparse heads reuse the latest selection of their index.
-        dense_heads = at.step.retrieval[at.layer]
+        dense_heads = retrieval_row
         if at.static_layer is not None or at.retrieval_rows is not None:
             sel, dense_out = _hybrid_select(plan, at, sel, select, route)
         else:
@@ -316,6 +317,23 @@ def _attend(role: Role, plan: SparsePlan, config, at: LayerContext, sel: Selecti
         group = at.q.shape[1] // at.k_pages.shape[1]
         out = jnp.where(jnp.repeat(dense_heads, group)[None, :, None], dense_out, out)
     return out, sel, Attended(sel, head_map, dense_heads)
+
+
+def _layer_rows(plan: SparsePlan, config, at: LayerContext):
+    """The layer's rows of the step's head map and retrieval table -> (head map [HK], None for
+    the identity where the layer is static; retrieval [HK] bool). A static layer takes the
+    plan's rows as constants: a row of the traced [L, HK] tables is a slice kernel of its own
+    on a GPU, one a layer (~30 a step of Kascade or Lychee)."""
+    if at.static_layer is None:
+        return at.step.head_map[at.layer], at.step.retrieval[at.layer]
+    HK = config.num_kv_heads
+    head_map = (None if plan.head_map is None
+                else np.asarray(plan.head_map, np.int32)[at.static_layer])
+    if head_map is not None and (head_map == np.arange(HK)).all():
+        head_map = None
+    retrieval = (np.zeros(HK, bool) if plan.retrieval is None
+                 else np.asarray(plan.retrieval, bool)[at.static_layer])
+    return head_map, retrieval
 
 
 def _hybrid_select(plan: SparsePlan, at: LayerContext, sel: Selection, select, route):
@@ -338,8 +356,16 @@ def _hybrid_select(plan: SparsePlan, at: LayerContext, sel: Selection, select, r
         fresh = Selection(indices=jnp.where(keep[None, :, None], fresh.indices,
                                             sel.indices[:, rows]),
                           count=jnp.where(keep[None, :], fresh.count, sel.count[:, rows]))
-    return Selection(indices=sel.indices.at[:, rows].set(fresh.indices),
-                     count=sel.count.at[:, rows].set(fresh.count)), r.out
+    return Selection(indices=_set_groups(sel.indices, rows, fresh.indices),
+                     count=_set_groups(sel.count, rows, fresh.count)), r.out
+
+
+def _set_groups(x: jax.Array, rows, new: jax.Array) -> jax.Array:
+    """x[:, rows] = new. Static consecutive rows (a plan's retrieval heads, typically one) are
+    one slice updated in place; a scatter on a GPU is an async fusion beside a copy of x."""
+    if isinstance(rows, np.ndarray) and rows.size and (np.diff(rows) == 1).all():
+        return jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), int(rows[0]), axis=1)
+    return x.at[:, rows].set(new)
 
 
 def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits=None):

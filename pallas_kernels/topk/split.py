@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from sparsejax.pallas_kernels import common
@@ -173,16 +174,17 @@ def _topk_split_pallas(scores, valid, k_row, *, k, force_first, force_last, bloc
         functools.partial(_radix_pass_kernel, **static),
         out_shape=tuple(jax.ShapeDtypeStruct(x.shape, jnp.int32) for x in state),
         name="topk_select_radix_pass", **common_kw)
-    shifts = jnp.arange(32 - RADIX_BITS, -1, -RADIX_BITS, dtype=jnp.int32)[:, None]  # [8, 1]
+    shifts = np.arange(32 - RADIX_BITS, -1, -RADIX_BITS, dtype=np.int32)[:, None]  # [8, 1]
 
-    def run_pass(i, state):
-        return radix_pass(shifts[i], scores, valid, k_row, *state)
+    def run_pass(shift, state):
+        return radix_pass(shift, scores, valid, k_row, *state)
 
     if interpret:  # one copy of the interpreted kernel to compile for the CPU, not eight
-        state = lax.fori_loop(0, shifts.shape[0], run_pass, state)
-    else:  # unrolled: no loop predicate read back between the launches
-        for i in range(shifts.shape[0]):
-            state = run_pass(i, state)
+        state = lax.fori_loop(0, len(shifts),
+                              lambda i, state: run_pass(jnp.asarray(shifts)[i], state), state)
+    else:  # unrolled: no loop predicate read back between the launches; each shift a constant
+        for shift in shifts:   # operand (a row sliced from a traced table is a kernel on a GPU)
+            state = run_pass(shift, state)
     return common.pallas_call(
         functools.partial(_compact_kernel, **static, block_k=block_k),
         out_shape=(jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
