@@ -361,7 +361,7 @@ def pool_logit_rows(score: Score, rows: LogitRows, lengths, *, page_size: int,
 
 def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max_pages: int,
                    dtype, scores: bool = False, values: bool = True, kv_dtype=None,
-                   wide_offsets: bool = False) -> dict:
+                   wide_offsets: bool = False, masked: bool = False) -> dict:
     """Static knobs chosen from the shapes; `common.num_sms()` SMs make a wave. The sweeps
     behind each rule are in docs/tuning.md.
 
@@ -405,6 +405,13 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
       element there, and at the rule above the kernel ran 1.25x slower than on a pool under
       4 GiB; these knobs give that time back (H200, DS-Qwen-1.5B heads, B=64 x 16k: 0.309 ->
       0.248 ms, the small pool's 0.249; Llama-8B heads, B=1 x 128k: 0.130 -> 0.129).
+    masked (a concrete kv_heads mask; `kv_heads` counts the heads it keeps): at most
+      MAX_MASKED_SPLITS splits. With scores and values on a 16-bit cache and at most a
+      sixteenth of a wave of row groups (LycheeDecode's retrieval heads at a small batch),
+      2 warps and 3 stages (H200, one KV head computed, mean_query scores, kernel and merge:
+      DS-Qwen-1.5B heads B=1 x 32k 12.5 -> 10.5 us, x 128k 42.4 -> 27.8; Llama-8B heads B=1 x
+      128k 48.1 -> 42.3, B=8 x 32k 56.1 -> 53.8; at 16 row groups, DS-Qwen-1.5B B=16 x 32k,
+      75.1 -> 86.7, so not there).
     """
     max_tokens = max_pages * page_size
     block_n = min(128, 16384 // (head_dim * jnp.dtype(dtype).itemsize))
@@ -436,6 +443,10 @@ def default_tuning(batch: int, kv_heads: int, head_dim: int, page_size: int, max
             num_warps, block_n = 1, min(32, block_n)
         elif row_groups < wave:
             num_splits = max(1, min(4 * wave // row_groups, max_blocks))
+    if masked:
+        num_splits = min(num_splits, MAX_MASKED_SPLITS)
+        if scores and values and cache_16_bit and 16 * row_groups <= wave:
+            num_warps, num_stages = 2, 3
     return dict(block_n=block_n, num_splits=num_splits, num_warps=num_warps,
                 num_stages=num_stages)
 
@@ -611,9 +622,8 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     tuning = default_tuning(q.shape[0], active_kv_heads or k_pages.shape[1], q.shape[2],
                             k_pages.shape[2], page_table.shape[1], q.dtype,
                             scores=score is not None, values=values, kv_dtype=k_pages.dtype,
-                            wide_offsets=common.wide_offsets(k_pages))
-    if active_kv_heads:  # every head's partials [B, splits, HQ, D] are written and merged
-        tuning["num_splits"] = min(tuning["num_splits"], MAX_MASKED_SPLITS)
+                            wide_offsets=common.wide_offsets(k_pages),
+                            masked=bool(active_kv_heads))
     tuning = common.resolve_tuning(tuning, block_n=block_n, num_splits=num_splits,
                                    num_warps=num_warps, num_stages=num_stages)
     _check_tuning(**tuning)

@@ -13,8 +13,8 @@ from kernel_checks import (E4M3_MAX, E4M3_REL, E4M3_SUBNORMAL_STEP, fp8_cache, f
 from sparsejax.pallas_kernels import LogitRows, common, topk_select, topk_select_reference
 from sparsejax.pallas_kernels.common import dequantize
 from sparsejax.pallas_kernels.decode_attention import (
-    UNPOOLED_SCORES, DecodeAttention, default_tuning, float16_logits_bound, logits_dtype_for,
-    paged_decode_attention, paged_decode_attention_reference)
+    MAX_MASKED_SPLITS, UNPOOLED_SCORES, DecodeAttention, default_tuning, float16_logits_bound,
+    logits_dtype_for, paged_decode_attention, paged_decode_attention_reference)
 
 OUT_TOL = {jnp.bfloat16: 1e-2, jnp.float16: 2e-3, jnp.float32: 1e-5}
 LSE_ATOL = 1e-4
@@ -626,10 +626,29 @@ def test_a_concrete_mask_sizes_the_splits_for_its_heads(interpret, monkeypatch):
     assert seen == [1, 4]
     long = (64, 8, 4096, jnp.float32)  # 32k tokens: enough key blocks for either count
     assert (default_tuning(2, 1, *long)["num_splits"], default_tuning(2, 4, *long)[
-        "num_splits"]) == (264, 66)     # the call caps one head's at MAX_MASKED_SPLITS
+        "num_splits"]) == (264, 66)
+    assert default_tuning(2, 1, *long, masked=True)["num_splits"] == MAX_MASKED_SPLITS
     np.testing.assert_allclose(concrete.out, traced.out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(concrete.lse, traced.lse, rtol=1e-6)
     assert_scores_match(concrete.scores, traced.scores, 1e-6)
+
+
+def test_a_masked_selecting_pass_of_few_row_groups_takes_2_warps_and_3_stages():
+    """LycheeDecode's retrieval pass (one KV head computed, scores and values, 16-bit cache)
+    at up to a sixteenth of a wave of row groups; more row groups, the scores pass alone, an
+    fp8 or float32 cache and an unmasked pass keep the other rules' knobs."""
+    sms = common.num_sms()
+    shape = (128, 16, 2048, jnp.bfloat16)
+    pick = lambda b, *a, **kw: default_tuning(b, 1, *a, masked=True, **kw)  # noqa: E731
+    few = sms // 16
+    assert (pick(few, *shape, scores=True)["num_warps"],
+            pick(few, *shape, scores=True)["num_stages"]) == (2, 3)
+    assert pick(few + 1, *shape, scores=True)["num_warps"] == 4
+    assert pick(1, *shape)["num_stages"] == 2
+    assert pick(1, *shape, scores=True, values=False)["num_stages"] == 2
+    assert pick(1, *shape, scores=True, kv_dtype=jnp.float8_e4m3fn)["num_warps"] == 4
+    assert pick(1, 128, 16, 2048, jnp.float32, scores=True)["num_warps"] == 4
+    assert default_tuning(1, 1, *shape, scores=True)["num_warps"] == 4
 
 
 def test_lowers_for_cuda_with_a_cache_over_4gib():
