@@ -356,16 +356,8 @@ def _hybrid_select(plan: SparsePlan, at: LayerContext, sel: Selection, select, r
         fresh = Selection(indices=jnp.where(keep[None, :, None], fresh.indices,
                                             sel.indices[:, rows]),
                           count=jnp.where(keep[None, :], fresh.count, sel.count[:, rows]))
-    return Selection(indices=_set_groups(sel.indices, rows, fresh.indices),
-                     count=_set_groups(sel.count, rows, fresh.count)), r.out
-
-
-def _set_groups(x: jax.Array, rows, new: jax.Array) -> jax.Array:
-    """x[:, rows] = new. Static consecutive rows (a plan's retrieval heads, typically one) are
-    one slice updated in place; a scatter on a GPU is an async fusion beside a copy of x."""
-    if isinstance(rows, np.ndarray) and rows.size and (np.diff(rows) == 1).all():
-        return jax.lax.dynamic_update_slice_in_dim(x, new.astype(x.dtype), int(rows[0]), axis=1)
-    return x.at[:, rows].set(new)
+    return Selection(indices=sel.indices.at[:, rows].set(fresh.indices),
+                     count=sel.count.at[:, rows].set(fresh.count)), r.out
 
 
 def _sparse(plan: SparsePlan, at: LayerContext, sel: Selection, head_map, logits=None):
