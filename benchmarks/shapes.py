@@ -186,14 +186,14 @@ def method(name: str, config, context: int, ratio: float = 0.1):
     from sparsejax import methods as M
 
     L = config.num_layers
-    base = name.removesuffix("+resa")
+    base, _, page_size = name.removesuffix("+resa").partition("@p")
+    if page_size and base != "delta":
+        raise ValueError(f"method {name!r}: only delta takes @pP (pages of P tokens)")
     if base == "dense":
         m = M.Dense()
     elif base == "delta":
-        m = M.DELTA().scaled_to(L)
-    elif base.startswith("delta@p") and base[7:].isdigit():
-        page_size = int(base[7:])
-        m = M.DELTA(page_size=page_size, budget_pages=1024 // page_size).scaled_to(L)
+        p = int(page_size or 16)
+        m = M.DELTA(page_size=p, budget_pages=1024 // p).scaled_to(L)
     elif base == "kascade":
         m = M.Kascade(ratio=ratio).scaled_to(L)
     elif base == "lychee":
