@@ -5,6 +5,9 @@ threshold's candidates) vs lax.top_k.
     python benchmarks/bench_topk.py --matrix # GPU: every selection shape of the decode matrix,
                                              # default tuning only -> results/topk_matrix.json
     (on an H200; results/topk_h100.json and topk_matrix_h100.json on an H100)
+    python benchmarks/bench_topk.py --few-rows # GPU: few long rows (B=1 to 8 over 1 to 8 KV
+                                             # heads) at every chunk width of the split
+                                             # path -> results/topk_few_rows.json
     python benchmarks/bench_topk.py --smoke  # CPU: tiny shapes in interpret mode, nothing written
 
 Every configuration is first checked for exact equality with `topk_select_reference` (indices
@@ -82,6 +85,15 @@ SMOKE_CASES = [
      [dict(sample_stride=4, block_n=256, block_sel=64),
       dict(SPLIT_ONLY, block_n=256, block_sel=64)]),
 ]
+def few_rows_cases():
+    """Kascade's and Lychee's selections at B=1 to 8 over 1 to 8 KV heads, 32k and 128k: the
+    split path at each chunk width, the data for `topk.default_tuning`'s narrowest chunk."""
+    for rows in (1, 2, 4, 8):
+        for n in (32832, 131072, 131136) if rows == 1 else (32832, 131136):
+            yield (f"{rows}x{n} k={n // 10}", rows, n, n // 10, None, False,
+                   [dict(SPLIT_ONLY, block_n=width) for width in (256, 512, 1024, 2048)])
+
+
 MAX_RATIO_TO_PEER = 0.5
 MATRIX_BATCHES, MATRIX_GROUPS, MATRIX_TOKENS = (1, 4, 16, 64), (1, 2, 8, 32), (4096, 32768, 131072)
 SWEEP_BUDGET_S = 300  # later sweep configurations are skipped (and listed as such) after this
@@ -158,6 +170,7 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
     row = harness.row(case, context=n, batch=num_rows, ms=default_ms, floor=floor,
                       peer="lax.top_k", peer_ms=peer_ms, k=k,
                       split=topk.default_tuning(num_rows, n, k)["split"],
+                      block_n=topk.default_tuning(num_rows, n, k)["block_n"],
                       path=tried[0]["path"], split_ms=path_ms["split"],
                       sampled_ms=path_ms["sampled"], target_ms=target,
                       meets_target=None if target is None else default_ms <= target,
@@ -193,6 +206,8 @@ def main():
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="tiny shapes, CPU interpret mode")
     mode.add_argument("--matrix", action="store_true", help="the decode matrix's shapes")
+    mode.add_argument("--few-rows", action="store_true",
+                      help="few long rows at every chunk width of the split path")
     parser.add_argument("--sweep-seconds", type=float, default=SWEEP_BUDGET_S,
                         help="time after which the remaining sweep configurations are skipped")
     args = parser.parse_args()
@@ -200,10 +215,12 @@ def main():
         sys.exit("bench_topk needs a GPU (or --smoke for a CPU logic check)")
     started = time.perf_counter()
     rows, tried = [], []
-    cases = SMOKE_CASES if args.smoke else matrix_cases() if args.matrix else CASES
+    cases = (SMOKE_CASES if args.smoke else matrix_cases() if args.matrix
+             else few_rows_cases() if args.few_rows else CASES)
+    whole = args.matrix or args.few_rows
     for spec in cases:
         row, case_tried = run_case(*spec, smoke=args.smoke, started=started,
-                                   sweep_budget_s=float("inf") if args.matrix else args.sweep_seconds)
+                                   sweep_budget_s=float("inf") if whole else args.sweep_seconds)
         rows.append(row)
         tried += case_tried
         print(f"{row['case']}: {row['ms']} ms (best {row['best_ms']}), "
@@ -219,7 +236,8 @@ def main():
         print("smoke run: results not written")
         return
     path = harness.write_results(
-        harness.per_gpu_name("topk_matrix" if args.matrix else "topk"), rows,
+        harness.per_gpu_name("topk_matrix" if args.matrix else "topk_few_rows"
+                             if args.few_rows else "topk"), rows,
         kernel="pallas_kernels/topk/: per-row radix select (32-step bitwise search), rows "
         "split across programs (8 radix passes over chunks, one compaction), or a strided "
         "sample's threshold, its candidates counted, compacted and selected per row",

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kernel_checks import lower_for_cuda
-from sparsejax.pallas_kernels import topk
+from sparsejax.pallas_kernels import common, topk
 from sparsejax.pallas_kernels.topk import keys, sampled, split
 
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True)
@@ -357,13 +357,18 @@ def test_split_mutants_fail(interpret, monkeypatch, seen_shift):
     assert not np.array_equal(np.asarray(out[0]), np.asarray(ref.indices))
 
 
-def test_default_tuning_paths():
+def test_default_tuning_paths(monkeypatch):
     """The rule: split rows wider than the resident width; rows that fit it stay per-row,
     however few."""
+    monkeypatch.setattr(common, "num_sms", lambda: 132)   # an H100's or H200's
     assert topk.default_tuning(8, 131072, 13107, sample_stride=0) == dict(
         split=True, sample_stride=0, block_rows=1, block_n=2048, block_sel=512, block_k=256,
         num_warps=4, num_stages=1)
-    assert topk.default_tuning(1, 131072, 13107)["block_n"] == 1024
+    # few rows: the narrowest chunk whose grid is at most two programs per SM
+    for rows, n, block_n in ((1, 32832, 256), (2, 32832, 256), (4, 32832, 512),
+                             (8, 32832, 1024), (1, 131072, 512), (1, 131136, 512),
+                             (2, 131136, 1024), (8, 131136, 2048)):
+        assert topk.default_tuning(rows, n, n // 10, sample_stride=0)["block_n"] == block_n
     assert topk.default_tuning(512, 131072, 13107)["split"]
     assert topk.default_tuning(8, 32769, 3277)["split"]
     for rows, n in ((1, 32768), (8, 4096), (64, 8192), (128, 32768), (512, 32768), (2, 2048)):
@@ -807,7 +812,8 @@ def test_native_logit_rows(num_rows, n, heads, lse):
                          ids=["per_row", "split", "sampled"])
 @pytest.mark.parametrize("num_rows, n, k", [(512, 32768, 3276), (512, 131072, 13107),
                                             (512, 2048, 64), (64, 8192, 64),
-                                            (8, 131072, 13107), (1, 131072, 4096)])
+                                            (8, 131072, 13107), (1, 131072, 4096),
+                                            (2, 32832, 3283)])
 def test_native_matches_reference(num_rows, n, k, path):
     rng = np.random.default_rng(0)
     scores = jnp.asarray(rng.standard_normal((num_rows, n)).astype(np.float32))

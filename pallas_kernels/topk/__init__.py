@@ -48,6 +48,11 @@ __all__ = ["LogitRows", "Selected", "candidate_capacity", "default_tuning", "fix
 # The path and chunk rule (`default_tuning`); docs/tuning.md has the sweeps behind it.
 SPLIT_PROGRAMS_PER_SM = 4      # the split path aims for this many programs per SM
 MAX_CHUNKS = 256               # every program folds the row's [chunks, 16] histograms per pass
+# Few rows: a pass costs a program ~0.8 us per 1024 columns it scans, so rows that leave
+# SMs idle take the narrowest chunk (from MIN_CHUNK columns) whose grid stays within
+# FEW_ROWS_PROGRAMS_PER_SM programs per SM (1 x 32832: 19 us at 256 columns, 24 at 1024).
+MIN_CHUNK = 256
+FEW_ROWS_PROGRAMS_PER_SM = 2
 # Fewer rows keep the split path: the sample's search and the candidates' select run one
 # program per row, which on a few long rows costs more than the split path's passes.
 MIN_SAMPLED_ROWS = 8
@@ -128,7 +133,8 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
       num_stages=1.
     Split path: block_n = columns per program, for about SPLIT_PROGRAMS_PER_SM programs per
       SM (`common.num_sms()`; 1024 to 16384 columns, the whole row if shorter) and at most
-      MAX_CHUNKS chunks per row;
+      MAX_CHUNKS chunks per row, or narrower for few rows: the narrowest power of 2 from
+      MIN_CHUNK whose grid is at most FEW_ROWS_PROGRAMS_PER_SM programs per SM;
       block_sel = 512 (a [512, 8] one-hot of bin pairs per histogram step), block_k = the
       padding slots per program up to 1024, num_warps=4, num_stages=1.
     Sampled path: the split path's knobs, for its count and compaction over the same chunks
@@ -145,9 +151,7 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
                 and candidate_capacity(k, stride) <= MAX_CANDIDATES)
         sample_stride = stride if wide else 0
     if split:
-        per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS_PER_SM * common.num_sms())
-        block_n = block_n or min(n_pow2, max(1024, common.next_power_of_2(
-            common.cdiv(n, MAX_CHUNKS)), min(16384, common.next_power_of_2(per_program))))
+        block_n = block_n or min(n_pow2, _split_chunk(num_rows, n))
         slots = common.cdiv(k, common.cdiv(n, block_n))
         return dict(split=True, sample_stride=sample_stride, block_rows=block_rows or 1,
                     block_n=block_n,
@@ -161,6 +165,18 @@ def default_tuning(num_rows: int, n: int, k: int, *, split: bool | None = None,
                 block_n=block_n, block_sel=min(block_sel, n_pow2),
                 block_k=min(common.next_power_of_2(k), 1024), num_warps=num_warps,
                 num_stages=1)
+
+
+def _split_chunk(num_rows: int, n: int) -> int:
+    """The split path's columns per program (`default_tuning`)."""
+    sms = common.num_sms()
+    per_program = common.cdiv(num_rows * n, SPLIT_PROGRAMS_PER_SM * sms)
+    wide = max(1024, common.next_power_of_2(common.cdiv(n, MAX_CHUNKS)),
+               min(16384, common.next_power_of_2(per_program)))
+    narrow = MIN_CHUNK
+    while narrow < wide and num_rows * common.cdiv(n, narrow) > FEW_ROWS_PROGRAMS_PER_SM * sms:
+        narrow *= 2
+    return min(narrow, wide)
 
 
 def _check_tuning(split, sample_stride, block_rows, block_n, block_sel, block_k, num_warps,
