@@ -85,6 +85,8 @@ SMOKE_CASES = [
      [dict(sample_stride=4, block_n=256, block_sel=64),
       dict(SPLIT_ONLY, block_n=256, block_sel=64)]),
 ]
+
+
 def few_rows_cases():
     """Kascade's and Lychee's selections at B=1 to 8 over 1 to 8 KV heads, 32k and 128k: the
     split path at each chunk width, the data for `topk.default_tuning`'s narrowest chunk."""
@@ -167,10 +169,10 @@ def run_case(case, num_rows, n, k, target, forced, sweep, *, smoke, started, swe
     peer = harness.compiled(lambda s: jax.lax.top_k(s, k), scores)
     peer_ms = timed(peer, scores, smoke=smoke)
     floor = harness.floor_ms(num_rows * n * 4 + num_rows * k * 4)
+    default = topk.default_tuning(num_rows, n, k)
     row = harness.row(case, context=n, batch=num_rows, ms=default_ms, floor=floor,
                       peer="lax.top_k", peer_ms=peer_ms, k=k,
-                      split=topk.default_tuning(num_rows, n, k)["split"],
-                      block_n=topk.default_tuning(num_rows, n, k)["block_n"],
+                      split=default["split"], block_n=default["block_n"],
                       path=tried[0]["path"], split_ms=path_ms["split"],
                       sampled_ms=path_ms["sampled"], target_ms=target,
                       meets_target=None if target is None else default_ms <= target,
