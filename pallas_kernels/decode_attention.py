@@ -273,8 +273,8 @@ def _decode_kernel(
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,
-                   score, values, pool_scores, logits_dtype, sm_scale, interpret, block_n,
-                   num_splits, num_warps, num_stages):
+                   score, values, pool_scores, logits_dtype, out_dtype, sm_scale, interpret,
+                   block_n, num_splits, num_warps, num_stages):
     batch, q_heads, head_dim = q.shape
     num_pages, kv_heads, page_size, _ = k_pages.shape
     max_pages = page_table.shape[1]
@@ -311,7 +311,7 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_
 
     if values:
         out_part, lse_part, *logits = parts
-        out, lse = common.merge_splits(out_part, lse_part, out_dtype=q.dtype,
+        out, lse = common.merge_splits(out_part, lse_part, out_dtype=out_dtype,
                                        interpret=interpret)
     else:
         (lse_part, *logits), out = parts, None
@@ -524,6 +524,7 @@ def paged_decode_attention(
     v_scale: jax.Array | None = None,
     sm_scale: float | None = None,
     logits_dtype=None,
+    out_dtype=None,
     backend: str = "auto",
     interpret: bool | None = None,
     block_n: int | None = None,
@@ -575,6 +576,8 @@ def paged_decode_attention(
       the mean of the group's LSEs (`float16_logits_bound` gives it per score). None:
       float16 for 16-bit q, float32 (the logits as computed) for float32 q. The reference is
       exact either way.
+    out_dtype: the dtype of out; None: q's. float32 keeps the merged output unrounded (RESA's
+      prior attended over the cache, `resa.prior_from_cache`).
     backend: "auto" (Pallas on GPU, reference elsewhere) | "pallas" | "reference". The
       kernel takes what `common.pallas_support` allows (head_dim in HEAD_DIMS, page size in
       PAGE_SIZES, bf16/f16/f32, groups up to MAX_GROUP); other shapes run the reference
@@ -598,18 +601,19 @@ def paged_decode_attention(
     return _paged_decode_attention(
         q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale, v_scale, score=score,
         values=bool(values), pool_scores=bool(pool_scores), logits_dtype=logits_dtype,
+        out_dtype=jnp.dtype(q.dtype if out_dtype is None else out_dtype),
         sm_scale=sm_scale, backend=common.choose_backend(backend, unsupported),
         interpret=interpret, active_kv_heads=active, block_n=block_n, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "score", "values", "pool_scores", "logits_dtype", "sm_scale", "backend", "interpret",
-    "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
+    "score", "values", "pool_scores", "logits_dtype", "out_dtype", "sm_scale", "backend",
+    "interpret", "active_kv_heads", "block_n", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
-                            v_scale, *, score, values, pool_scores, logits_dtype, sm_scale,
-                            backend, interpret, active_kv_heads, block_n, num_splits, num_warps,
-                            num_stages):
+                            v_scale, *, score, values, pool_scores, logits_dtype, out_dtype,
+                            sm_scale, backend, interpret, active_kv_heads, block_n, num_splits,
+                            num_warps, num_stages):
     sm_scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
     if kv_heads is not None:
         kv_heads = kv_heads.astype(bool)
@@ -618,7 +622,7 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
                                                 score=score, values=values,
                                                 pool_scores=pool_scores, kv_heads=kv_heads,
                                                 k_scale=k_scale, v_scale=v_scale,
-                                                sm_scale=sm_scale)
+                                                sm_scale=sm_scale, out_dtype=out_dtype)
     tuning = default_tuning(q.shape[0], active_kv_heads or k_pages.shape[1], q.shape[2],
                             k_pages.shape[2], page_table.shape[1], q.dtype,
                             scores=score is not None, values=values, kv_dtype=k_pages.dtype,
@@ -630,18 +634,20 @@ def _paged_decode_attention(q, k_pages, v_pages, page_table, lengths, kv_heads, 
     return _decode_pallas(q, k_pages, v_pages, page_table, lengths, kv_heads, k_scale,
                           v_scale, score=score,
                           values=values, pool_scores=pool_scores, logits_dtype=logits_dtype,
-                          sm_scale=sm_scale,
+                          out_dtype=out_dtype, sm_scale=sm_scale,
                           interpret=common.resolve_interpret(interpret), **tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("score", "values", "pool_scores", "sm_scale"))
+@functools.partial(jax.jit, static_argnames=("score", "values", "pool_scores", "sm_scale",
+                                             "out_dtype"))
 def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *,
                                      score: Score | None = None, values: bool = True,
                                      pool_scores: bool = True,
                                      kv_heads: jax.Array | None = None,
                                      k_scale: jax.Array | None = None,
                                      v_scale: jax.Array | None = None,
-                                     sm_scale: float | None = None) -> DecodeAttention:
+                                     sm_scale: float | None = None,
+                                     out_dtype=None) -> DecodeAttention:
     """Plain-jnp twin of `paged_decode_attention`: gathers the pages, fp32 math throughout
     (an fp8 cache dequantized as gathered). Unpooled scores are the exact logits as one key block
     (block_n = T)."""
@@ -669,7 +675,8 @@ def paged_decode_attention_reference(q, k_pages, v_pages, page_table, lengths, *
     prob = jnp.where(valid[:, None, None, :], jnp.exp(logits - lse[..., None]), 0.0)
     out = jnp.einsum("bhgt,bhtd->bhgd", prob, v, precision=hp)
     out = jnp.where(active[None, :, None, None], out, 0.0)
-    out = out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+    out = out.reshape(batch, q_heads, head_dim).astype(q.dtype if out_dtype is None
+                                                       else out_dtype)
     lse = jnp.where(active[None, :, None], lse, -jnp.inf).reshape(batch, q_heads)
     prob = jnp.where(active[None, :, None, None], prob, 0.0)
     kv_valid = valid[:, None, :] & active[None, :, None]  # [B, HK, T]

@@ -86,9 +86,23 @@ def query_dtype(stored, model_dtype) -> jnp.dtype:
 
 def as_stored(x: jax.Array, kv_dtype) -> jax.Array:
     """x [..., D] as a cache of `kv_dtype` gives it back: quantized and dequantized (f32) for
-    fp8, else x itself. What Quest's page bounds and RESA's prior are computed from, so that
-    they describe the cached keys and values."""
-    return dequantize_kv(*quantize_kv(x)) if is_fp8(kv_dtype) else x
+    fp8, else rounded to `kv_dtype`'s precision (in x's dtype). What Quest's page bounds and
+    RESA's prior are computed from, so that they describe the cached keys and values."""
+    if not is_fp8(kv_dtype):
+        return rounded_to(x, kv_dtype)
+    # the barrier keeps the f32 -> fp8 -> f32 converts: XLA on the GPU removes such a pair
+    # (excess precision), which gave back x unquantized
+    return dequantize_kv(*jax.lax.optimization_barrier(quantize_kv(x)))
+
+
+def rounded_to(x: jax.Array, dtype) -> jax.Array:
+    """x's values rounded to nearest in `dtype`'s precision, kept in x's dtype (x itself where
+    `dtype` is no narrower). `reduce_precision`, not a cast there and back: XLA on the GPU
+    removes such a pair of converts (excess precision) and the values would stay unrounded."""
+    info, mine = jnp.finfo(dtype), jnp.finfo(x.dtype)
+    if info.nmant >= mine.nmant and info.nexp >= mine.nexp:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
 @flax.struct.dataclass

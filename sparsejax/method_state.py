@@ -8,8 +8,8 @@ import jax.numpy as jnp
 
 from sparsejax import resa
 from sparsejax.cache import (KVPages, MethodState, PagedKVCache, as_stored, dequantized_pages,
-                             flat_pages, is_fp8, layer_page_ids, replicate_kv_heads,
-                             token_address)
+                             flat_pages, is_fp8, layer_page_ids, query_dtype,
+                             replicate_kv_heads, rounded_to, token_address)
 from sparsejax.models import Model
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.plan import Score, SparsePlan
@@ -23,7 +23,8 @@ def init_state(model: Model, cache: PagedKVCache, out: ForwardOutput,
     if plan.selector.score == Score.QUEST_BOUND:
         kmin, kmax = _page_bounds(cache, keys, cache.lengths)
     if plan.residual is not None:
-        prior = resa.init_prior(out._replace(keys=keys, values=values), cache.lengths)
+        prior = resa.init_prior(out._replace(keys=keys, values=values), cache.lengths,
+                                query_dtype(cache.k.dtype, model.dtype))
     if kmin is None and prior is None:
         return None
     return MethodState(prior=prior, kmin=kmin, kmax=kmax)
@@ -40,15 +41,12 @@ def bound_dtype(stored) -> jnp.dtype:
 def _outward(lo: jax.Array, hi: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """Lower and upper bounds in `dtype`, lo rounded down and hi up, so that they still bound
     what they bounded (exact where the values are representable)."""
-    info = jnp.finfo(dtype)
-
     def rounded(x, toward):
         if x.dtype == dtype:    # a bf16 cache's keys into bf16 bounds: nothing to round
             return x
-        # x rounded to `dtype`, compared in x's dtype. reduce_precision, not a cast there and
-        # back: XLA on GPU removes such a pair of converts (excess precision), which made
-        # `moved` always False and the bounds round to nearest, inside the keys.
-        near = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        # x rounded to `dtype`, compared in x's dtype (a cast there and back would be removed
+        # by XLA on the GPU: `moved` always False, the bounds rounded inside the keys)
+        near = rounded_to(x, dtype)
         moved = near > x if toward < 0 else near < x
         y = near.astype(dtype)
         return jnp.where(moved, jnp.nextafter(y, jnp.array(toward, dtype)), y)

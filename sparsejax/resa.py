@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsejax import sharded_attention
-from sparsejax.cache import flat_pages, query_dtype
+from sparsejax.cache import flat_pages, query_dtype, rounded_to
 from sparsejax.models.decoder import ForwardOutput
 from sparsejax.pallas_kernels import paged_decode_attention
 
@@ -35,38 +35,47 @@ class Prior(NamedTuple):
     length: jax.Array  # [B] int32 prompt length the prior covers
 
 
-def init_prior(out: ForwardOutput, lengths: jax.Array) -> Prior:
-    """Stacked [L, ...] priors from the prompt's forward pass (each row over its own length)."""
+def init_prior(out: ForwardOutput, lengths: jax.Array, q_dtype=jnp.float32) -> Prior:
+    """Stacked [L, ...] priors from the prompt's forward pass (each row over its own length;
+    its keys and values as cached, `cache.as_stored`). mu_q is rounded to `q_dtype`, the dtype
+    the kernels read it in for the selected keys' part of the prior (x in the module
+    docstring): that part and lse must see the same logits, as o_est - e^x o_I cancels."""
     def layer(xs):
         mu_q, k, v = xs                                   # [B,HQ,D], [B,T,HK,D], [B,T,HK,D]
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)
         valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
         mu_k = jnp.einsum("btkd,bt->bkd", k, valid) / lengths[:, None, None].astype(jnp.float32)
         # one query per row: out [B, 1, HQ, D], residual (log-sum-exp) [B, 1, HQ]
-        o_est, lse = jax.nn.dot_product_attention(
-            mu_q[:, None], k, v, key_value_seq_lengths=lengths, return_residual=True,
-            implementation="xla")
+        with jax.default_matmul_precision("highest"):   # f32 dots, not TF32, on the GPU
+            o_est, lse = jax.nn.dot_product_attention(
+                mu_q[:, None], k, v, key_value_seq_lengths=lengths, return_residual=True,
+                implementation="xla")
         return mu_k, lse[:, 0], o_est[:, 0]
-    mu_k, lse, o_est = jax.lax.map(layer, (out.query_means, out.keys, out.values))
+    mu_q = rounded_to(out.query_means.astype(jnp.float32), q_dtype)
+    mu_k, lse, o_est = jax.lax.map(layer, (mu_q, out.keys, out.values))
     L = out.keys.shape[0]
-    return Prior(out.query_means, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
+    return Prior(mu_q, mu_k, lse, o_est, jnp.broadcast_to(lengths, (L,) + lengths.shape))
 
 
 def prior_from_cache(model, cache, mu_q: jax.Array, mu_k: jax.Array, length: jax.Array) -> Prior:
     """Stacked [L, ...] priors from the paged cache: mu_q [L, B, HQ, D] and mu_k [L, B, HK, D]
     (f32 means over each row's first `length` [B] tokens) with lse and o_est attended over
-    those tokens by the paged decode kernel (chunked prefill; re-folding after a correction)."""
+    those tokens by the paged decode kernel (chunked prefill; re-folding after a correction);
+    mu_q rounded to the kernels' query dtype, as in `init_prior`."""
     pages = flat_pages(cache)
+    q_dtype = query_dtype(pages.k.dtype, model.dtype)
+    mu_q = rounded_to(mu_q, q_dtype)
 
     def attend(q, pages, table, length):
-        r = paged_decode_attention(q, pages.k, pages.v, table, length, **pages.scales())
-        return r.lse, r.out.astype(jnp.float32)
+        r = paged_decode_attention(q, pages.k, pages.v, table, length, **pages.scales(),
+                                   out_dtype=jnp.float32)   # o_est unrounded, as init_prior's
+        return r.lse, r.out
 
     if model.mesh is not None:
         attend = sharded_attention.prior_attention(attend, model.mesh, model.config)
     lse, o_est = [], []
     for layer in range(mu_q.shape[0]):
-        r = attend(mu_q[layer].astype(query_dtype(pages.k.dtype, model.dtype)), pages,
+        r = attend(mu_q[layer].astype(q_dtype), pages,
                    cache.page_table + layer * cache.num_pages, length)
         lse.append(r[0])
         o_est.append(r[1])
@@ -133,10 +142,12 @@ def fold_tokens(prior: Prior, layer: jax.Array, k: jax.Array, v: jax.Array,
     group = p.mu_q.shape[1] // k.shape[2]
     kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)              # [B, C, HQ, D]
     vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-    logits = jnp.einsum("bhd,bchd->bch", p.mu_q, kf) / math.sqrt(k.shape[-1])
+    logits = jnp.einsum("bhd,bchd->bch", p.mu_q, kf,
+                        precision=jax.lax.Precision.HIGHEST) / math.sqrt(k.shape[-1])
     if valid is not None:
         logits = jnp.where(valid[..., None], logits, -jnp.inf)
     lse = jnp.logaddexp(p.lse, jax.nn.logsumexp(logits, axis=1))
     o_est = (jnp.exp(p.lse - lse)[..., None] * p.o_est
-             + jnp.einsum("bch,bchd->bhd", jnp.exp(logits - lse[:, None]), vf))
+             + jnp.einsum("bch,bchd->bhd", jnp.exp(logits - lse[:, None]), vf,
+                          precision=jax.lax.Precision.HIGHEST))
     return prior._replace(lse=prior.lse.at[layer].set(lse), o_est=prior.o_est.at[layer].set(o_est))

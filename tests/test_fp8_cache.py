@@ -59,6 +59,23 @@ def test_quantize_round_trip_within_the_e4m3_bound():
                                np.take_along_axis(x, idx, -1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_as_stored_under_jit_is_what_the_cache_holds(kv_dtype):
+    """What Quest's bounds and RESA's prior are computed from: the values a cache of
+    `kv_dtype` stores, also inside a jitted program (on the GPU, XLA removes a pair of
+    converts through a narrower type unless something keeps it) and also in float32."""
+    x = jnp.asarray(spread_values((4, 6, 64), seed=3))
+    if kv_dtype == "fp8":
+        x8, scale = kv.quantize_kv(x)
+        want = np.asarray(x8).astype(np.float32) * np.asarray(scale)[..., None]
+    else:
+        want = np.asarray(x.astype(jnp.bfloat16).astype(jnp.float32))
+    got = jax.jit(kv.as_stored, static_argnums=1)(x, kv.resolve_kv_dtype(kv_dtype, x.dtype))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.any(np.asarray(got) != np.asarray(x))     # it did round
+
+
 def test_quantize_rounds_to_nearest():
     """Halfway between two e4m3 values (1 and 1.125 at scale 1) rounds to the even one."""
     x = jnp.asarray([[448.0, 1.0625, 1.1875, -1.0625, 3.0]], jnp.float32)

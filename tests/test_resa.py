@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import sparsejax
+from sparsejax import cache as kv
 from sparsejax import layers, resa
 from sparsejax import methods as M
 from sparsejax.models import forward, unembed
@@ -155,6 +156,27 @@ def test_log1mexp():
 
 
 # ---- the prior ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_prior_describes_the_cache_as_the_kernels_read_it(model, prompts, kv_dtype):
+    """The prefill's prior (from the forward's K/V as stored, mu_q in the kernels' query
+    dtype) and the same prior attended over the cache by the decode kernel (its reference
+    here) agree to f32 rounding: RESA's rest term o_est - e^x o_I cancels, and a prior that
+    saw other logits than the kernel's partial leaves their difference amplified by
+    1 / (1 - e^x). A float32 model over a 16-bit or fp8 cache: unrounded keys or mu_q would
+    differ by ~1e-2."""
+    plan = M.RESA(M.OracleTopK(k=24)).to_plan(CFG)
+    cache = kv.allocate(model, len(LENGTHS), prompts.shape[1] + 4, kv_dtype=kv_dtype)
+    _, cache = sparsejax.prefill(model, cache, prompts, LENGTHS, plan=plan, chunk="one-pass")
+    prior = cache.state.prior
+    q_dtype = kv.query_dtype(cache.k.dtype, model.dtype)
+    np.testing.assert_array_equal(np.asarray(prior.mu_q.astype(q_dtype).astype(jnp.float32)),
+                                  np.asarray(prior.mu_q))        # mu_q as the kernels read it
+    read = resa.prior_from_cache(model, cache, prior.mu_q, prior.mu_k, cache.lengths)
+    np.testing.assert_allclose(np.asarray(read.lse), np.asarray(prior.lse), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(read.o_est), np.asarray(prior.o_est), rtol=0,
+                               atol=2e-5)
+
+
 def test_prior_per_row_with_ragged_lengths(model, prompts):
     out = forward(model, jnp.asarray(prompts), jnp.asarray(LENGTHS))
     prior = resa.init_prior(out, jnp.asarray(LENGTHS))
