@@ -7,6 +7,7 @@ choices against the defaults scaled to the depth.
     python benchmarks/fidelity_real.py --quick               # 2k, 2 tasks, 4 prompts, 3 methods
     python benchmarks/fidelity_real.py plot          # results/fidelity_real.json -> .png
     python benchmarks/fidelity_real.py merge A.json B.json   # runs split by method -> --out
+    python benchmarks/fidelity_real.py --kv-dtype fp8        # the cache in fp8 (or bf16)
 
 The full table: dense and every method with and without RESA (and the fitted choices against
 the defaults) at budgets 10% and 20% of each row's length, contexts 2k / 4k / 8k, 32 prompts a
@@ -53,6 +54,7 @@ import numpy as np
 import sparsejax
 from sparsejax import cache as kv
 from sparsejax import methods as M
+from sparsejax.arguments import KV_DTYPE_CHOICES, KV_DTYPE_HELP
 from sparsejax.generate import _decode_step
 from sparsejax.layers import prefill_state
 from sparsejax.models import forward, unembed
@@ -79,6 +81,7 @@ SEED = ("delta", "kascade", "lychee", "delta+resa", "kascade+resa", "lychee+resa
 DENSE_BAR = 0.75
 TARGET_SHARE = 0.95
 TARGET_RESA_CUT = 0.5
+TARGET_KV_POINTS = 1.0      # `compare`: accuracy points an fp8 cache may move a cell
 STEP_BUCKET = 16
 DECODE_SHARE = 0.6          # of the free device memory, for one decode group's programs
 FORWARD_SCORES = 2 ** 27    # attention scores per head a forward chunk holds (rows x T x T)
@@ -106,12 +109,14 @@ def _forward(model, ids, lengths):
 DIAGNOSTICS = ("recall", "oracle_recall", "attn_error")
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "steps"))
-def _start(model, out, lengths, *, plan, steps: int):
-    """The cache for greedy decoding of `steps` tokens from the prompt cache `out` (the dense
-    forward's keys and values), with `plan`'s state."""
+@functools.partial(jax.jit, static_argnames=("plan", "steps", "kv_dtype"))
+def _start(model, out, lengths, *, plan, steps: int, kv_dtype=None):
+    """The cache (K/V stored as `kv_dtype`, default the model's dtype) for greedy decoding of
+    `steps` tokens from the prompt cache `out` (the dense forward's keys and values), with
+    `plan`'s state."""
     L, B, T = out.keys.shape[:3]
-    cache = kv.allocate(model.config, B, T + steps, page_size=plan.page_size, dtype=model.dtype)
+    cache = kv.allocate(model.config, B, T + steps, page_size=plan.page_size, dtype=model.dtype,
+                        kv_dtype=kv_dtype)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
     return cache.replace(state=prefill_state(model, cache, out, plan))
 
@@ -132,8 +137,9 @@ class Decoder:
     in `memory` bytes (None: all B): the diagnostics' dense reference holds a layer's K/V
     gathered in f32 beside the cache."""
 
-    def __init__(self, model, out, first, lengths, plan, steps: int, memory: int | None = None):
-        self.steps = steps
+    def __init__(self, model, out, first, lengths, plan, steps: int, memory: int | None = None,
+                 kv_dtype=None):
+        self.steps, self.kv_dtype = steps, kv_dtype
         rows = first.shape[0]
         while True:
             take = lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype)  # noqa: E731
@@ -148,9 +154,9 @@ class Decoder:
         self.rows = rows
 
     def _compile(self, model, out, first, lengths, plan, steps):
-        self.start = _start.lower(model, out, lengths, plan=plan, steps=steps).compile()
-        cache = jax.eval_shape(functools.partial(_start, plan=plan, steps=steps), model, out,
-                               lengths)
+        options = dict(plan=plan, steps=steps, kv_dtype=self.kv_dtype)
+        self.start = _start.lower(model, out, lengths, **options).compile()
+        cache = jax.eval_shape(functools.partial(_start, **options), model, out, lengths)
         self.step = _step.lower(model, cache, first, plan=plan).compile()
 
     def _group(self, model, out, first, lengths):
@@ -272,8 +278,8 @@ class Programs:
     """A `Decoder` compiled ahead of time for each (plan, steps) at (batch, width), in a thread
     pool (XLA compiles without the GIL): `submit` starts a compile, `get` waits for it."""
 
-    def __init__(self, model, plans: dict, batch: int, width: int, workers: int):
-        self.model, self.plans = model, plans
+    def __init__(self, model, plans: dict, batch: int, width: int, workers: int, kv_dtype=None):
+        self.model, self.plans, self.kv_dtype = model, plans, kv_dtype
         ids = jax.ShapeDtypeStruct((batch, width), jnp.int32)
         self.lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
         self.out, self.first = jax.eval_shape(_forward, model, ids, self.lengths)
@@ -287,7 +293,7 @@ class Programs:
 
     def _build(self, key, steps):
         return Decoder(self.model, self.out, self.first, self.lengths, self.plans[key], steps,
-                       self.memory)
+                       self.memory, self.kv_dtype)
 
     def submit(self, key, steps: int) -> None:
         if (key, steps) not in self.futures:
@@ -308,9 +314,12 @@ def measure(args) -> dict:
     eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     pad_id = tokenizer.pad_token_id or 0
     doc = (_load(args.out) if args.resume else {}) or {"results": []}
+    if doc.get("kv_dtype", "auto") != args.kv_dtype and doc["results"]:
+        raise SystemExit(f"--resume: {args.out} holds cells of kv_dtype={doc['kv_dtype']!r}, "
+                         f"not --kv-dtype {args.kv_dtype}")
     doc.update(model=Path(str(args.model)).name, device=jax.default_backend(),
                device_kind=jax.devices()[0].device_kind, host=platform.machine(),
-               samples_per_task=args.samples, fitted={
+               samples_per_task=args.samples, kv_dtype=args.kv_dtype, fitted={
                    "calibration": {k: str(Path(v).relative_to(Path(v).parents[2]))
                                    for k, v in fitted.calibration.items()},
                    "lychee_retrieval_heads": None if fitted.retrieval_heads is None else int(
@@ -333,7 +342,8 @@ def measure(args) -> dict:
     built, steps = build(contexts[0])
     print(f"{contexts[0]}-token prompts built ({time.perf_counter() - t0:.0f}s)", flush=True)
     plans = _plans(names, args.ratios, model.config, fitted)
-    programs = Programs(model, plans, args.samples, max(contexts), args.compile_workers)
+    programs = Programs(model, plans, args.samples, max(contexts), args.compile_workers,
+                        args.kv_dtype)
     # dense at every task's step count; the methods at the shortest (the retrieval tasks'),
     # while the prompts of the other contexts are built and the forwards run
     for n in sorted(set(steps.values())):
@@ -364,7 +374,7 @@ def measure(args) -> dict:
                 cell = run_cell(model, tokenizer, samples, prepared, program,
                                 plans[name, ratio], eos, steps[task])
                 cell.update(method=name, budget_ratio=ratio, context=context, task=task,
-                            device=doc["device_kind"],
+                            device=doc["device_kind"], kv_dtype=args.kv_dtype,
                             seconds=round(time.perf_counter() - t1, 2),
                             mean_prompt_tokens=float(np.mean(prepared[2])))
                 if name == "dense":
@@ -437,6 +447,34 @@ def summarize(doc: dict) -> None:
                               "of": len(fitted_vs_default)}}
 
 
+def compare(base: dict, other: dict) -> dict:
+    """Cell by cell, `other`'s accuracy and attention error against `base`'s (runs of one
+    model with two KV cache dtypes): accuracy points, prompts answered differently, and the
+    cells within TARGET_KV_POINTS."""
+    key = lambda r: (r["method"], r["budget_ratio"], r["context"], r["task"])  # noqa: E731
+    theirs = {key(r): r for r in other["results"]}
+    cells = []
+    for r in base["results"]:
+        o = theirs.get(key(r))
+        if o is None:
+            continue
+        points = 100 * (o["accuracy"] - r["accuracy"])
+        cells.append({"method": r["method"], "budget_ratio": r["budget_ratio"],
+                      "context": r["context"], "task": r["task"], "prompts": len(r["scores"]),
+                      "accuracy_base": r["accuracy"], "accuracy": o["accuracy"],
+                      "points": round(points, 2),
+                      "prompts_changed": int(sum(a != b for a, b in zip(r["scores"],
+                                                                          o["scores"]))),
+                      "attn_error_base": round(r["mean_attn_error"], 4),
+                      "attn_error": round(o["mean_attn_error"], 4),
+                      "meets": abs(points) <= TARGET_KV_POINTS})
+    return {"base_kv_dtype": base.get("kv_dtype"), "kv_dtype": other.get("kv_dtype"),
+            "model": base.get("model"), "device_kind": base.get("device_kind"),
+            "samples_per_task": base.get("samples_per_task"), "cells": cells,
+            "target": {"rule": f"accuracy within {TARGET_KV_POINTS} point(s) of the base dtype's",
+                       "met": sum(c["meets"] for c in cells), "of": len(cells)}}
+
+
 def plot(doc: dict, path: Path) -> None:
     """Accuracy, attention recall and attention error (rows) per method, one column per context and
     budget, averaged over the tasks where dense >= 0.75."""
@@ -489,9 +527,10 @@ def _copy_to_out(paths) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot", "merge"])
+    p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot", "merge", "compare"])
     p.add_argument("inputs", nargs="*", type=Path, help="merge: result files (a later one's "
-                   "cell replaces an earlier one's)")
+                   "cell replaces an earlier one's); compare: BASE.json OTHER.json (two KV "
+                   "cache dtypes) -> --out")
     p.add_argument("--model", default=os.environ.get("SPARSEJAX_REAL_MODEL", "smollm2"),
                    help="checkpoint directory, .gguf or name (default: $SPARSEJAX_REAL_MODEL, "
                    "else smollm2)")
@@ -504,6 +543,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a check of the whole path: "
                    + ", ".join(f"{k} {v}" for k, v in QUICK.items())
                    + "; writes to the temporary directory unless --out is given")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                   help=KV_DTYPE_HELP + " (the model runs in float32; default: %(default)s)")
     p.add_argument("--resume", action="store_true", help="keep --out's cells and run the rest")
     p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="threads compiling the decode programs ahead of time")
@@ -514,9 +555,29 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     if args.out is None:
         args.out = (Path(tempfile.gettempdir()) / "fidelity_real_quick.json" if args.quick
-                    else OUT)
+                    else OUT if args.kv_dtype == "auto"
+                    else OUT.with_name(f"fidelity_real_{args.kv_dtype}.json"))
+    if args.command == "compare":
+        if len(args.inputs) != 2:
+            p.error(f"compare: got {len(args.inputs)} inputs, expected BASE.json OTHER.json")
+        doc = compare(*map(_load, args.inputs))
+        doc["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        for c in doc["cells"]:
+            print(f"{c['method']:<14} {c['budget_ratio'] or '':>4} {c['context']:>5} "
+                  f"{c['task']:<10} {c['accuracy_base']:.3f} -> {c['accuracy']:.3f} "
+                  f"({c['prompts_changed']} changed) err {c['attn_error_base']:.4f} -> "
+                  f"{c['attn_error']:.4f}")
+        out = args.out if args.out != OUT else OUT.with_name("fidelity_real_kv_dtype.json")
+        _save(doc, out)
+        _copy_to_out([out])
+        print(json.dumps(doc["target"]))
+        return 0
     if args.command == "merge":
         docs = [_load(p) for p in args.inputs]
+        kv_dtypes = {d.get("kv_dtype", "auto") for d in docs}
+        if len(kv_dtypes) > 1:
+            p.error(f"merge: the inputs hold runs of kv_dtype {sorted(kv_dtypes)}; expected "
+                    "one (compare runs of two dtypes with `compare`)")
         # each cell keeps the device it ran on (the runs merged may differ)
         cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]):
                  {**r, "device": r.get("device") or d.get("device_kind") or d.get("device")}

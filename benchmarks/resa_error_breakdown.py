@@ -4,6 +4,7 @@ here in jnp from the cache), and what an exact part of the correction would leav
 
     python benchmarks/resa_error_breakdown.py [--model smollm2|embedded|PATH] [--context 2048]
         [--samples 2] [--steps 6] [--methods delta,kascade,lychee] [--ratios 0.1 0.2]
+        [--kv-dtype auto|bf16|f32|fp8]
 
 Each method runs wrapped in RESA (lambda = 1); at every step and sparse layer, with the layer's
 query, attended set and prior, against dense attention over the same cache (relative L2 error
@@ -42,6 +43,7 @@ import numpy as np
 import sparsejax
 from sparsejax import cache as kv
 from sparsejax import layers, methods as M, resa
+from sparsejax.arguments import KV_DTYPE_CHOICES, KV_DTYPE_HELP
 from sparsejax.generate import _decode_step
 from sparsejax.pallas_kernels.common import merge_partials
 from sparsejax.pallas_kernels.sparse_attention import attended_mask
@@ -85,13 +87,15 @@ def _breakdown(plan, config, at, out, attended):
     """The module docstring's quantities for one layer -> {name: [B]}."""
     q = at.q.astype(jnp.float32)
     B, HQ, D = q.shape
-    kp, vp = at.k_pages[at.table], at.v_pages[at.table]           # [B, pages, HK, P, D]
+    scales = (None, None) if at.k_scale is None else (at.k_scale[at.table], at.v_scale[at.table])
+    kp, vp = (kv.dequantized_pages(x[at.table], scale)               # [B, pages, HK, P, D]
+              for x, scale in zip((at.k_pages, at.v_pages), scales))
     HK = kp.shape[2]
     group = HQ // HK
 
     def tokens(pages):                                             # -> [B, T, HQ, D] f32
         x = pages.transpose(0, 1, 3, 2, 4).reshape(B, -1, HK, D)
-        return jnp.repeat(x.astype(jnp.float32), group, axis=2)
+        return jnp.repeat(x, group, axis=2)
 
     K, V = tokens(kp), tokens(vp)
     T = K.shape[1]
@@ -161,11 +165,13 @@ def _with_breakdown(diagnostics):
     return diag
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "steps"))
-def _decode(model, out, first, lengths, *, plan, steps: int):
-    """Greedy decoding of `steps` tokens under `plan` -> the breakdown [steps, L, B]."""
+@functools.partial(jax.jit, static_argnames=("plan", "steps", "kv_dtype"))
+def _decode(model, out, first, lengths, *, plan, steps: int, kv_dtype=None):
+    """Greedy decoding of `steps` tokens under `plan` (K/V stored as `kv_dtype`) -> the
+    breakdown [steps, L, B]."""
     L, B, T = out.keys.shape[:3]
-    cache = kv.allocate(model.config, B, T + steps, page_size=plan.page_size, dtype=model.dtype)
+    cache = kv.allocate(model.config, B, T + steps, page_size=plan.page_size, dtype=model.dtype,
+                        kv_dtype=kv_dtype)
     cache = kv.write_prompt(cache, out.keys, out.values, lengths)
     cache = cache.replace(state=layers.prefill_state(model, cache, out, plan))
 
@@ -204,7 +210,8 @@ def measure(args) -> dict:
             plan = build_method(name + "+resa", model.config, ratio, fitted).to_plan(model.config)
             t0 = time.perf_counter()
             diag = {k: np.asarray(v) for k, v in
-                    _decode(model, *prepared, plan=plan, steps=args.steps).items()}
+                    _decode(model, *prepared, plan=plan, steps=args.steps,
+                            kv_dtype=args.kv_dtype).items()}
             sparse = [i for i, r in enumerate(plan.roles) if r.name != "DENSE"]
             means = {k: float(v[:, sparse].mean()) for k, v in diag.items()}
             row = {"method": name, "budget_ratio": ratio,
@@ -224,7 +231,7 @@ def measure(args) -> dict:
                 f"{row['prior_estimate']:.3f} delta_std {row['delta_std']:.2f} logit_std "
                 f"{row['logit_std']:.2f} score_l1_cut {row['score_l1_cut']:+.2f}", flush=True)
     return {"model": Path(str(path)).name, "context": args.context, "samples": args.samples,
-            "steps": args.steps, "task": "niah", "device": jax.devices()[0].device_kind,
+            "steps": args.steps, "task": "niah", "kv_dtype": args.kv_dtype, "device": jax.devices()[0].device_kind,
             "jax_version": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "rows": rows}
@@ -238,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="decode steps measured")
     p.add_argument("--methods", default="delta,kascade,lychee")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.2])
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_CHOICES, default="auto",
+                   help=KV_DTYPE_HELP + " (the model runs in float32)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     doc = measure(args)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from small_model import CFG, LENGTHS
 
+import sparsejax
 from sparsejax import methods as M
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -69,3 +70,38 @@ def test_row_chunks_of_the_forward_match_one_batch(model, prompts, monkeypatch):
     out, first, _ = fidelity_real._prompt_cache(model, prompts, LENGTHS, prompts.shape[1])
     np.testing.assert_array_equal(np.asarray(first), np.asarray(whole[1]))
     np.testing.assert_allclose(np.asarray(out.keys), np.asarray(whole[0].keys), atol=1e-5)
+
+
+def test_decoder_with_an_fp8_cache_decodes_as_generate(model, prompts):
+    """`--kv-dtype fp8`: the table's Decoder stores the prompt's K/V in fp8 and decodes the
+    same tokens as `generate` with kv_dtype="fp8" (its one-pass prefill writes the same
+    quantized cache)."""
+    method = M.Kascade(anchor_layers=(0, 3), ratio=0.1, min_k=8)
+    plan = method.to_plan(CFG)
+    out, first, lens = fidelity_real._prompt_cache(model, prompts, LENGTHS, prompts.shape[1])
+    decoder = fidelity_real.Decoder(model, out, first, lens, plan, STEPS, kv_dtype="fp8")
+    cache = decoder.start(model, out, lens)
+    assert cache.k.dtype == jnp.float8_e4m3fn
+    tokens, _ = decoder(model, out, first, lens)
+    reference = sparsejax.generate(model, prompts, lengths=LENGTHS, max_new_tokens=STEPS,
+                                   method=method, prefill_chunk=0, kv_dtype="fp8")
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(reference.tokens))
+
+
+def test_compare_counts_cells_within_a_point():
+    def doc(kv_dtype, scores):
+        return {"kv_dtype": kv_dtype, "results": [
+            {"method": m, "budget_ratio": r, "context": 2048, "task": "niah",
+             "accuracy": float(np.mean(s)), "scores": s, "mean_attn_error": 0.1}
+            for (m, r), s in scores.items()]}
+    base = doc("bf16", {("dense", None): [1, 1, 0, 1], ("delta", 0.1): [1, 0, 0, 1]})
+    fp8 = doc("fp8", {("dense", None): [1, 1, 0, 1], ("delta", 0.1): [0, 1, 0, 1],
+                      ("kascade", 0.1): [1, 1, 1, 1]})
+    got = fidelity_real.compare(base, fp8)
+    assert [(c["method"], c["points"], c["prompts_changed"], c["meets"]) for c in got["cells"]] \
+        == [("dense", 0.0, 0, True), ("delta", 0.0, 2, True)]   # kascade: no base cell
+    fp8["results"][1]["scores"] = [1, 1, 0, 1]
+    fp8["results"][1]["accuracy"] = 0.75
+    got = fidelity_real.compare(base, fp8)
+    assert got["cells"][1]["points"] == 25.0 and not got["cells"][1]["meets"]
+    assert got["target"]["met"] == 1 and got["target"]["of"] == 2
