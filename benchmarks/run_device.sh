@@ -18,7 +18,9 @@
 #          default: about 6 minutes; CAPACITY_ARGS= replaces the flags), peer-capacity
 #          (jax-llm-examples' Llama 3 decode_step at the same shapes; PEER_LLAMA3= its llama3/
 #          folder, default build/jax-llm-examples/llama3), all (default: tests topk decode
-#          sparse step), fidelity-real (SmolLM2's table; SPARSEJAX_REAL_MODEL= the GGUF file)
+#          sparse step), fidelity-real (SmolLM2's table; SPARSEJAX_REAL_MODEL= the GGUF file),
+#          fidelity-kv (SmolLM2 over a bf16 and an fp8 cache, one GPU each where there are two,
+#          then their comparison)
 #
 # Results land in benchmarks/results/*.json|png and, when OUT is set, in $OUT (the scripts copy
 # them there); every step's full output goes to $OUT/device.log. Runs on the image's python3
@@ -116,6 +118,30 @@ calibration() (  # a subshell, as fidelity
   done
 )
 
+# SmolLM2's fidelity with the cache in bf16 and in fp8 (the model in float32), then each cell's
+# fp8 answers against bf16's -> results/fidelity_real_{bf16,fp8,kv_dtype}.json.
+FIDELITY_KV_METHODS=${FIDELITY_KV_METHODS:-dense,oracle,streaming,quest,tidal,delta,kascade,lychee,delta+resa,kascade+resa,lychee+resa}
+fidelity_kv() {
+  local rc=0 a b
+  one() {
+    CUDA_VISIBLE_DEVICES=$2 $PY benchmarks/fidelity_real.py --kv-dtype $1 \
+      --methods "$FIDELITY_KV_METHODS" > "$OUT/fidelity_$1.log" 2>&1
+  }
+  if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    one bf16 0 & a=$!
+    one fp8 1 & b=$!
+    wait $a || rc=$?
+    wait $b || rc=$?
+  else
+    one bf16 0 || rc=$?
+    one fp8 0 || rc=$?
+  fi
+  tail -n 3 "$OUT"/fidelity_bf16.log "$OUT"/fidelity_fp8.log
+  $PY benchmarks/fidelity_real.py compare benchmarks/results/fidelity_real_bf16.json \
+    benchmarks/results/fidelity_real_fp8.json || rc=$?
+  return $rc
+}
+
 # One step: its output to $LOG, its exit status returned, its tail printed.
 run_step() {
   local s=$1 start rc cmd
@@ -147,6 +173,7 @@ run_step() {
     calibration) cmd=(calibration) ;;
     # SmolLM2's table (benchmarks/fidelity_real.py): the GGUF from $SPARSEJAX_REAL_MODEL
     fidelity-real) cmd=($PY benchmarks/fidelity_real.py ${FIDELITY_REAL_ARGS:-}) ;;
+    fidelity-kv) cmd=(fidelity_kv) ;;
     *) echo "unknown step $s"; return 2 ;;
   esac
   echo "== $s: ${cmd[*]}"
