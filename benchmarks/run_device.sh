@@ -149,7 +149,8 @@ run_step() {
   case $s in
     tests)  cmd=($PY -m pytest -q -p no:cacheprovider --gpu -n 8 ${TESTS:-tests/test_decode_attention.py
                  tests/test_sparse_attention.py tests/test_topk.py tests/test_prefill_attention.py
-                 tests/test_cache_write.py tests/test_merge_splits.py tests/test_gemv.py}) ;;
+                 tests/test_cache_write.py tests/test_merge_splits.py tests/test_gemv.py
+                 tests/test_fp8_cache.py}) ;;
     topk)   cmd=($PY benchmarks/bench_topk.py --sweep-seconds ${TOPK_SWEEP_S:-300}) ;;
     matrix) cmd=($PY benchmarks/bench_decode_matrix.py ${MATRIX_ARGS:-}) ;;
     profile) cmd=($PY benchmarks/profile_step.py) ;;
