@@ -223,6 +223,11 @@ def run_cell(model, tokenizer, samples, prepared, program, plan, eos, steps):
     }
 
 
+def _cell_key(r: dict) -> tuple:
+    """A result cell's identity: (method, budget_ratio, context, task)."""
+    return r["method"], r["budget_ratio"], r["context"], r["task"]
+
+
 def _load(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -315,8 +320,8 @@ def measure(args) -> dict:
     pad_id = tokenizer.pad_token_id or 0
     doc = (_load(args.out) if args.resume else {}) or {"results": []}
     if doc.get("kv_dtype", "auto") != args.kv_dtype and doc["results"]:
-        raise SystemExit(f"--resume: {args.out} holds cells of kv_dtype={doc['kv_dtype']!r}, "
-                         f"not --kv-dtype {args.kv_dtype}")
+        raise SystemExit(f"--resume: {args.out} holds cells of kv_dtype="
+                         f"{doc.get('kv_dtype', 'auto')!r}, not --kv-dtype {args.kv_dtype}")
     doc.update(model=Path(str(args.model)).name, device=jax.default_backend(),
                device_kind=jax.devices()[0].device_kind, host=platform.machine(),
                samples_per_task=args.samples, kv_dtype=args.kv_dtype, fitted={
@@ -325,7 +330,7 @@ def measure(args) -> dict:
                    "lychee_retrieval_heads": None if fitted.retrieval_heads is None else int(
                        np.sum(np.asarray(fitted.retrieval_heads)[1:]))},
                fingerprint=sparsejax.artifacts.fingerprint(model).to_json())
-    done = {(r["method"], r["budget_ratio"], r["context"], r["task"]) for r in doc["results"]}
+    done = {_cell_key(r) for r in doc["results"]}
     names = [n for n in args.methods.split(",") if n]
     if "dense" not in names:
         names.insert(0, "dense")          # the bar every other cell is read against
@@ -451,11 +456,10 @@ def compare(base: dict, other: dict) -> dict:
     """Cell by cell, `other`'s accuracy and attention error against `base`'s (runs of one
     model with two KV cache dtypes): accuracy points, prompts answered differently, and the
     cells within TARGET_KV_POINTS."""
-    key = lambda r: (r["method"], r["budget_ratio"], r["context"], r["task"])  # noqa: E731
-    theirs = {key(r): r for r in other["results"]}
+    theirs = {_cell_key(r): r for r in other["results"]}
     cells = []
     for r in base["results"]:
-        o = theirs.get(key(r))
+        o = theirs.get(_cell_key(r))
         if o is None:
             continue
         points = 100 * (o["accuracy"] - r["accuracy"])
@@ -527,7 +531,8 @@ def _copy_to_out(paths) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", default="measure", choices=["measure", "plot", "merge", "compare"])
+    p.add_argument("command", nargs="?", default="measure",
+                   choices=["measure", "plot", "merge", "compare"])
     p.add_argument("inputs", nargs="*", type=Path, help="merge: result files (a later one's "
                    "cell replaces an earlier one's); compare: BASE.json OTHER.json (two KV "
                    "cache dtypes) -> --out")
@@ -555,6 +560,7 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     if args.out is None:
         args.out = (Path(tempfile.gettempdir()) / "fidelity_real_quick.json" if args.quick
+                    else OUT.with_name("fidelity_real_kv_dtype.json") if args.command == "compare"
                     else OUT if args.kv_dtype == "auto"
                     else OUT.with_name(f"fidelity_real_{args.kv_dtype}.json"))
     if args.command == "compare":
@@ -567,9 +573,8 @@ def main(argv=None) -> int:
                   f"{c['task']:<10} {c['accuracy_base']:.3f} -> {c['accuracy']:.3f} "
                   f"({c['prompts_changed']} changed) err {c['attn_error_base']:.4f} -> "
                   f"{c['attn_error']:.4f}")
-        out = args.out if args.out != OUT else OUT.with_name("fidelity_real_kv_dtype.json")
-        _save(doc, out)
-        _copy_to_out([out])
+        _save(doc, args.out)
+        _copy_to_out([args.out])
         print(json.dumps(doc["target"]))
         return 0
     if args.command == "merge":
@@ -579,8 +584,8 @@ def main(argv=None) -> int:
             p.error(f"merge: the inputs hold runs of kv_dtype {sorted(kv_dtypes)}; expected "
                     "one (compare runs of two dtypes with `compare`)")
         # each cell keeps the device it ran on (the runs merged may differ)
-        cells = {(r["method"], r["budget_ratio"], r["context"], r["task"]):
-                 {**r, "device": r.get("device") or d.get("device_kind") or d.get("device")}
+        cells = {_cell_key(r): {**r, "device": r.get("device") or d.get("device_kind")
+                                or d.get("device")}
                  for d in docs for r in d["results"]}
         counts = sorted({len(r["scores"]) for r in cells.values()})   # runs may differ
         # the first input's own sources stay listed when it is itself a merge

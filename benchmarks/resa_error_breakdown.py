@@ -231,7 +231,8 @@ def measure(args) -> dict:
                 f"{row['prior_estimate']:.3f} delta_std {row['delta_std']:.2f} logit_std "
                 f"{row['logit_std']:.2f} score_l1_cut {row['score_l1_cut']:+.2f}", flush=True)
     return {"model": Path(str(path)).name, "context": args.context, "samples": args.samples,
-            "steps": args.steps, "task": "niah", "kv_dtype": args.kv_dtype, "device": jax.devices()[0].device_kind,
+            "steps": args.steps, "task": "niah", "kv_dtype": args.kv_dtype,
+            "device": jax.devices()[0].device_kind,
             "jax_version": jax.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "rows": rows}

@@ -42,8 +42,6 @@ def _outward(lo: jax.Array, hi: jax.Array, dtype) -> tuple[jax.Array, jax.Array]
     """Lower and upper bounds in `dtype`, lo rounded down and hi up, so that they still bound
     what they bounded (exact where the values are representable)."""
     def rounded(x, toward):
-        if x.dtype == dtype:    # a bf16 cache's keys into bf16 bounds: nothing to round
-            return x
         # x rounded to `dtype`, compared in x's dtype (a cast there and back would be removed
         # by XLA on the GPU: `moved` always False, the bounds rounded inside the keys)
         near = rounded_to(x, dtype)

@@ -46,7 +46,8 @@ def init_prior(out: ForwardOutput, lengths: jax.Array, q_dtype=jnp.float32) -> P
         valid = (jnp.arange(k.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
         mu_k = jnp.einsum("btkd,bt->bkd", k, valid) / lengths[:, None, None].astype(jnp.float32)
         # one query per row: out [B, 1, HQ, D], residual (log-sum-exp) [B, 1, HQ]
-        with jax.default_matmul_precision("highest"):   # f32 dots, not TF32, on the GPU
+        # f32's precision: XLA's default for f32 dots on the GPU is lower
+        with jax.default_matmul_precision("highest"):
             o_est, lse = jax.nn.dot_product_attention(
                 mu_q[:, None], k, v, key_value_seq_lengths=lengths, return_residual=True,
                 implementation="xla")
