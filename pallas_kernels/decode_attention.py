@@ -7,8 +7,8 @@ per-query-head `head_probs` for oracle top-k and TidalDecode).
 Kernel: flash-decoding split-K on Pallas-Triton. Grid (batch, kv_head, split); each program
 loads its GQA query group padded to 16 rows (the smallest M of a Triton dot), walks its share
 of the row's key blocks through the page table with masked gathers straight from the cache
-(no K/V copy or transpose), keeps an fp32 online softmax and writes one (out, lse) partial;
-`common.merge_splits` combines the splits. For scores the kernel also writes the scaled
+(no K/V copy or transpose), keeps an fp32 online softmax in base 2 and writes one (out, lse)
+partial; `common.merge_splits` combines the splits. For scores the kernel also writes the scaled
 logits (per query head, or already averaged over the group for `mean_query`) and a small jnp
 epilogue turns logits + final LSE into the requested pooling, so K is read once. The logits
 are written relative to a running max (s - m, with m per key block: each query head's own, or
@@ -195,6 +195,7 @@ def _decode_kernel(
     first = split * per_split
     last = jnp.where(active_ref[h] != 0, jnp.minimum(first + per_split, num_blocks), first)
     cols = jnp.arange(head_dim)
+    log2_scale = sm_scale * common.LOG2E
     page_shift = page_size.bit_length() - 1  # page_size is a power of 2
 
     def block_tokens(j):
@@ -207,20 +208,21 @@ def _decode_kernel(
         return plgpu.load(page_table_ref.at[b, tok >> page_shift], mask=valid, other=0)
 
     def store_logits(j, valid, s, score_max):  # block j's logits relative to score_max
+        # s and score_max are base 2 (the online softmax's); the rows store natural logits.
         tokens = pl.ds(j * block_n, block_n)
         logits_ref, block_max_ref = logits_refs
         if score == Score.MEAN_QUERY:  # relative to the mean of the rows' running maxes
             mean = jnp.sum(jnp.where(row_valid[:, None], s, 0.0), axis=0) / group
             mean_max = jnp.sum(jnp.where(row_valid, score_max, 0.0)) / group
-            plgpu.store(logits_ref.at[b, h, tokens], (mean - mean_max).astype(logits_ref.dtype),
-                        mask=valid)
-            plgpu.store(block_max_ref.at[b, h, j], mean_max)
+            plgpu.store(logits_ref.at[b, h, tokens],
+                        ((mean - mean_max) * common.LN2).astype(logits_ref.dtype), mask=valid)
+            plgpu.store(block_max_ref.at[b, h, j], mean_max * common.LN2)
         else:
             rows = pl.ds(h * group, BLOCK_G)
             plgpu.store(logits_ref.at[b, rows, tokens],
-                        (s - score_max[:, None]).astype(logits_ref.dtype),
+                        ((s - score_max[:, None]) * common.LN2).astype(logits_ref.dtype),
                         mask=row_valid[:, None] & valid[None, :])
-            plgpu.store(block_max_ref.at[b, rows, j], score_max, mask=row_valid)
+            plgpu.store(block_max_ref.at[b, rows, j], score_max * common.LN2, mask=row_valid)
 
     def body(j, carry):
         acc, m, l, score_max, page_ids = carry
@@ -241,13 +243,16 @@ def _decode_kernel(
             k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
             if values:
                 v = plgpu.load(v_ref.at[kv_index], mask=valid[:, None], other=0)
-        s = dot(q, k, (((1,), (1,)), ((), ()))) * sm_scale  # [BLOCK_G, block_n]
-        s = common.fold_scales(s, k_scale, axis=1)
+        # Base-2 logits [BLOCK_G, block_n]: the softmax's exps are then one MUFU op each
+        # (a natural exp is a ~7-instruction sequence); an fp8 row's scale joins the factor.
+        s = dot(q, k, (((1,), (1,)), ((), ())))
+        s = (s * log2_scale if k_scale is None
+             else common.fold_scales(s, k_scale * log2_scale, axis=1))
         s = jnp.where(valid[None, :], s, -jnp.inf)
         # Every visited block holds a valid token, so the maxes are finite.
         acc, m_new, l = common.online_softmax_step(
             s, v if values else None, v_scale, acc, m, l,
-            lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))), base2=False, empty_rows=False)
+            lambda a, b: dot(a, b, (((1,), (0,)), ((), ()))), base2=True, empty_rows=False)
         if score is not None:
             # With fp8 values the softmax's max is of logits biased by V's scales; the scores
             # keep their own.
@@ -269,7 +274,7 @@ def _decode_kernel(
         plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], acc / l_safe[:, None],
                     mask=row_valid[:, None])
     plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)],
-                jnp.where(nonempty, m + jnp.log(l_safe), -jnp.inf), mask=row_valid)
+                jnp.where(nonempty, m * common.LN2 + jnp.log(l_safe), -jnp.inf), mask=row_valid)
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,
