@@ -193,7 +193,7 @@ def main():
         ms = harness.device_time_ms(fn, q, page_table, lengths, cache)
         for x in (*cache.values(), q):  # the profiled child allocates its own
             x.delete()
-        blocks = -(-(-(-context // knobs["block_n"])) // knobs["num_splits"])
+        blocks = common.cdiv(common.cdiv(context, knobs["block_n"]), knobs["num_splits"])
         warps = batch * heads["num_kv_heads"] * knobs["num_splits"] * knobs["num_warps"]
         extra = {}
         if a.variants and kv_dtype == "fp8":

@@ -387,6 +387,17 @@ def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_row
     return acc, m_new, l
 
 
+def softmax_result(acc, m, l, nonempty=None):
+    """An online softmax's running state in base 2 (`online_softmax_step(base2=True)`: acc
+    [rows, D] or None, max m, sum l [rows]) -> (out = acc / l, natural-log LSE). Rows not
+    `nonempty` (default: l > 0) divide by 1 and get LSE -inf, the convention of
+    `merge_partials` for an empty partial."""
+    nonempty = l > 0 if nonempty is None else nonempty
+    l_safe = jnp.where(nonempty, l, 1.0)
+    out = None if acc is None else acc / l_safe[:, None]
+    return out, jnp.where(nonempty, m * LN2 + jnp.log(l_safe), -jnp.inf)
+
+
 def replicate_kv_heads(x, heads: int, axis: int):
     """Each of x's KV heads (on `axis`) repeated in place up to `heads` in all: the layout of a
     cache whose KV heads are replicated over tensor-parallel ranks."""

@@ -268,13 +268,11 @@ def _decode_kernel(
     acc, m, l, _, _ = lax.fori_loop(first, last, body,
                                     (acc, m, l, score_max, block_page_ids(first)))
 
-    nonempty = l > 0
-    l_safe = jnp.where(nonempty, l, 1.0)
+    out, lse = common.softmax_result(acc, m, l)
     if values:
-        plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], acc / l_safe[:, None],
+        plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], out,
                     mask=row_valid[:, None])
-    plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)],
-                jnp.where(nonempty, m * common.LN2 + jnp.log(l_safe), -jnp.inf), mask=row_valid)
+    plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)], lse, mask=row_valid)
 
 
 def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_scale, *,

@@ -276,12 +276,11 @@ def _prefill_kernel(
     # Every existing row is written: queries past the length (and empty splits) get out 0
     # and lse -inf, the convention of `common.merge_partials`.
     nonempty = (l > 0) & row_valid
-    l_safe = jnp.where(nonempty, l, 1.0)
+    out, lse = common.softmax_result(acc, m, l, nonempty)
     stored = (token < chunk) & (member < group)
     plgpu.store(out_ref.at[split, q_row[:, None], cols[None, :]],
-                jnp.where(nonempty[:, None], acc / l_safe[:, None], 0.0), mask=stored[:, None])
-    lse = m * common.LN2 + jnp.log(l_safe)
-    plgpu.store(lse_ref.at[split, q_row], jnp.where(nonempty, lse, -jnp.inf), mask=stored)
+                jnp.where(nonempty[:, None], out, 0.0), mask=stored[:, None])
+    plgpu.store(lse_ref.at[split, q_row], lse, mask=stored)
 
 
 def _selected_rows(indices, count, page_table, start, *, tile, kv_heads, page_size):

@@ -310,8 +310,7 @@ def _write(queries: _QueryRows, acc, m, l, b, split, out_ref, lse_ref, prior_out
     """Normalise and store the query rows' (out, lse), and the prior rows' when given: the
     final result with one split (`direct`), else this split's partial."""
     nonempty = l > 0
-    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
-    lse = jnp.where(nonempty, m * common.LN2 + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+    out, lse = common.softmax_result(acc, m, l, nonempty)
     for rows_here, o_ref, l_ref in ((queries.is_q, out_ref, lse_ref),
                                     (queries.is_prior, prior_out_ref, prior_lse_ref)):
         if o_ref is None:
