@@ -1,7 +1,6 @@
 """The dense decode kernel under Nsight Compute: what limits it, instruction by instruction.
 
     python benchmarks/probe_decode_ncu.py             # GPU, ncu on PATH -> results/decode_ncu.json
-    python benchmarks/probe_decode_ncu.py --variants  # and the V-tile variants below
 
 For each case (Llama-3.1-8B heads: fp8 at B=1 x 128k and B=64 x 32k, bf16 at B=1 x 128k) the
 script runs itself under `ncu --clock-control none` twice on one launch of
@@ -9,15 +8,12 @@ script runs itself under `ncu --clock-control none` twice on one launch of
 scheduler, warp states, launch), once for the per-instruction SASS counts, which it sums by
 opcode per warp and key block (the loop runs ceil(context / block_n / splits) blocks a
 program; 98% of the instructions sit in it); it times the kernel in its own process (CUPTI,
-`harness.device_time_ms`). `--variants` also times the kernel with its fp8 V tile handled
-three other ways, each checked equal to the kernel's output (a process each: the kernel's
-trace is cached within one): `where` (the converted tile masked again), `mulone` (times a
-runtime 1) and `asm` (converted by inline PTX, cvt.rn.f16x2.e4m3x2, instead of an astype):
-attempts to make Pallas-Triton convert the tile in registers before it goes to shared
-memory, so that the transposed dot operand is read as 16-bit (ldmatrix), not byte by byte.
+`harness.device_time_ms`). The fp8 kernel's V tile is read as 16-bit pairs of columns
+(`common.value_pairs`); results/decode_ncu.json also keeps the profile of the byte-read tile
+before it and the conversion variants tried then.
 
     python benchmarks/probe_decode_ncu.py run --kv-dtype fp8 --batch 1 --context 131072
-        (the kernel a few times: what ncu profiles; --time --v-tile where: one variant's time)
+        (the kernel a few times: what ncu profiles; --time: its GPU time)
 """
 from __future__ import annotations
 
@@ -55,35 +51,6 @@ METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Thr
            "Theoretical Occupancy", "Achieved Occupancy", "Achieved Active Warps Per SM",
            "Eligible Warps Per Scheduler", "No Eligible", "Warp Cycles Per Issued Instruction",
            "Executed Instructions", "Grid Size", "Block Size")
-V_TILES = ("kernel", "where", "mulone", "asm")
-# e4m3 x4 -> f16 x4, the instruction Triton's own conversion uses
-CVT_ASM = ("{ .reg .b16 a<2>; mov.b32 {a0, a1}, $2; cvt.rn.f16x2.e4m3x2 $0, a0; "
-           "cvt.rn.f16x2.e4m3x2 $1, a1; }")
-
-
-def _with_v_tile(how: str):
-    """common.load_fp8 with the V tile (every second call in the decode kernel's loop body:
-    K, then V) handled `how`; the kernel's own for "kernel"."""
-    original = common.load_fp8
-    calls = [0]
-
-    def load_fp8(ref, scale_ref, rows, cols, row_mask, dtype):
-        calls[0] += 1
-        if how == "kernel" or calls[0] % 2:
-            return original(ref, scale_ref, rows, cols, row_mask, dtype)
-        if how == "asm":
-            x, scale = original(ref, scale_ref, rows, cols, row_mask, ref.dtype)
-            from jax.experimental.pallas import triton as plt
-            return plt.elementwise_inline_asm(
-                CVT_ASM, args=[x], constraints="=r,=r,r", pack=4,
-                result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, dtype)])[0], scale
-        x, scale = original(ref, scale_ref, rows, cols, row_mask, dtype)
-        if how == "where":
-            return jnp.where(row_mask[:, None], x, jnp.zeros_like(x)), scale
-        return x * (scale * 0 + 1).astype(x.dtype)[:, None], scale  # mulone
-    return load_fp8
-
-
 def _inputs(kv_dtype: str, batch: int, context: int):
     heads = shapes.MODELS["llama-8b"]
     cfg = dict(batch=batch, q_heads=heads["num_heads"], kv_heads=heads["num_kv_heads"],
@@ -95,37 +62,22 @@ def _inputs(kv_dtype: str, batch: int, context: int):
     return q, page_table, lengths, dict(k_pages=k, v_pages=v)
 
 
-def _compiled(q, page_table, lengths, cache, v_tile="kernel"):
-    saved, common.load_fp8 = common.load_fp8, _with_v_tile(v_tile)
-    try:
-        return harness.compiled(lambda q, pt, ln, c: paged_decode_attention(
-            q, page_table=pt, lengths=ln, **c, backend="pallas").out,
-            q, page_table, lengths, cache)
-    finally:
-        common.load_fp8 = saved
+def _compiled(q, page_table, lengths, cache):
+    return harness.compiled(lambda q, pt, ln, c: paged_decode_attention(
+        q, page_table=pt, lengths=ln, **c, backend="pallas").out, q, page_table, lengths, cache)
 
 
-def run(kv_dtype: str, batch: int, context: int, v_tile: str = "kernel", time: bool = False):
-    """The kernel (its V tile handled `v_tile`) a few times; with `time` its GPU time and a
-    digest of its output on one line of JSON. One process per variant: the kernel's trace is
-    cached, so a variant patched in later would run the first one's code."""
+def run(kv_dtype: str, batch: int, context: int, time: bool = False):
+    """The kernel a few times; with `time` its GPU time and a digest of its output on one
+    line of JSON."""
     q, page_table, lengths, cache = _inputs(kv_dtype, batch, context)
-    fn = _compiled(q, page_table, lengths, cache, v_tile)
+    fn = _compiled(q, page_table, lengths, cache)
     for _ in range(4):
         out = jax.block_until_ready(fn(q, page_table, lengths, cache))
     if time:
         ms = harness.device_time_ms(fn, q, page_table, lengths, cache)
         digest = hashlib.sha256(np.asarray(out.astype(jnp.float32)).tobytes()).hexdigest()
         print(json.dumps(dict(ms=round(ms, 4), digest=digest[:16])), flush=True)
-
-
-def _timed(case, v_tile: str) -> dict:
-    kv_dtype, batch, context = case
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "run", "--time",
-                          "--v-tile", v_tile, "--kv-dtype", kv_dtype, "--batch", str(batch),
-                          "--context", str(context)], capture_output=True, text=True,
-                         check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def _ncu(args: list[str], case) -> str:
@@ -174,13 +126,10 @@ def main():
     p.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=131072)
-    p.add_argument("--v-tile", choices=V_TILES, default="kernel")
     p.add_argument("--time", action="store_true", help="with run: print its GPU time")
-    p.add_argument("--variants", action="store_true",
-                   help="also time the fp8 cases' V-tile variants (a process each, minutes)")
     a = p.parse_args()
     if a.mode == "run":
-        return run(a.kv_dtype, a.batch, a.context, a.v_tile, a.time)
+        return run(a.kv_dtype, a.batch, a.context, a.time)
     rows = []
     for case in CASES:
         kv_dtype, batch, context = case
@@ -195,16 +144,9 @@ def main():
             x.delete()
         blocks = common.cdiv(common.cdiv(context, knobs["block_n"]), knobs["num_splits"])
         warps = batch * heads["num_kv_heads"] * knobs["num_splits"] * knobs["num_warps"]
-        extra = {}
-        if a.variants and kv_dtype == "fp8":
-            timed = {how: _timed(case, how) for how in V_TILES}
-            want = timed["kernel"]["digest"]  # e4m3 -> f16 is exact whichever way
-            for t in timed.values():
-                t["equal_to_kernel"] = t.pop("digest") == want
-            extra["v_tile"] = timed
         row = harness.row(f"llama-8b/{kv_dtype}", context=context, batch=batch,
                           ms=ms, knobs=knobs, loop_blocks=blocks,
-                          ncu=sections(case), sass=opcode_mix(case, blocks, warps), **extra)
+                          ncu=sections(case), sass=opcode_mix(case, blocks, warps))
         rows.append(row)
         print(row, flush=True)
     harness.print_table(rows, cols=("case", "context", "batch", "ms"))

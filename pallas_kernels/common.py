@@ -4,8 +4,9 @@ each query head reads, the dequantization of an fp8 cache.
 
 fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head, slot), the
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
-and reads a K or V tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
-their scales, unapplied. `fold_scales` applies each row's scale past the dot, to the [.., n]
+and reads a K tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
+their scales, unapplied; a V tile through `load_fp8_pairs`, the same values as two halves of
+alternate columns, read as 16-bit words (`value_pairs`). `fold_scales` applies each row's scale past the dot, to the [.., n]
 logits q.k, not to the [n, D] tile: a multiply per logit instead of one per element. Each V
 row's scale enters the online softmax as a logit bias (`online_softmax_step`). `dequantize`
 is the formula itself; the references apply it to the pages they gather (`gather_pages`).
@@ -329,6 +330,45 @@ def load_fp8(ref, scale_ref, rows, cols, row_mask, dtype):
     return x.astype(dtype), scale
 
 
+def value_pairs(v_rows):
+    """An fp8 V cache viewed as rows [R, D] -> [R, D / 2] uint16, columns 2i and 2i + 1 of a
+    row as one little-endian word (a free bitcast), which the kernels read through
+    `load_fp8_pairs`. Why: P.V contracts over keys, so the MMA wants a V tile's consecutive
+    keys in a register; a 16-bit tile gets them from one transposing ldmatrix, an 8-bit one
+    has no such instruction and Triton reads it from shared memory a byte at a time (a
+    fifth of the fp8 decode kernel's instructions; docs/tuning.md)."""
+    rows, head_dim = v_rows.shape
+    return lax.bitcast_convert_type(v_rows.reshape(rows, head_dim // 2, 2), jnp.uint16)
+
+
+def load_fp8_pairs(ref, scale_ref, rows, row_mask, dtype):
+    """`load_fp8` of a V tile from `value_pairs`' view `ref` [R, D / 2] -> ((even, odd)
+    [n, D / 2] in `dtype`: columns 0, 2, .. and 1, 3, .. of the stored rows, unscaled; scale
+    [n] f32). The online softmax takes the pair as its V tile (two dots of N = D / 2) and
+    keeps an accumulator for each; `column_parts` says where each lands."""
+    at = ref.at[rows[:, None], jnp.arange(ref.shape[-1])[None, :]]
+    if row_mask is None:
+        words, scale = plgpu.load(at), plgpu.load(scale_ref.at[rows])
+    else:
+        words = plgpu.load(at, mask=jnp.broadcast_to(row_mask[:, None],
+                                                     (rows.shape[0], ref.shape[-1])), other=0)
+        scale = plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0)
+
+    def as_values(byte):  # e4m3 bits in the low byte -> dtype, exact
+        return lax.bitcast_convert_type(byte.astype(jnp.uint8), FP8).astype(dtype)
+
+    return (as_values(words & 0xFF), as_values(words >> 8)), scale
+
+
+def column_parts(out, head_dim: int):
+    """An online softmax's result [rows, D], or the (even, odd) halves an fp8 V tile's pair
+    (`load_fp8_pairs`) gives -> [(tile, its columns [1, n])], for the kernels' stores."""
+    if not isinstance(out, tuple):
+        return [(out, jnp.arange(head_dim)[None, :])]
+    half = 2 * jnp.arange(head_dim // 2)[None, :]
+    return [(out[0], half), (out[1], half + 1)]
+
+
 def fold_scales(x, scale, axis: int):
     """`dequantize` moved past a dot: x [a, b], f32, made from fp8 rows (`load_fp8`) along
     `axis` -- the logits q.k of the K rows -- times each row's scale [n] -> f32.
@@ -358,8 +398,8 @@ def _power_of_2_below(scale):
 def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_rows: bool):
     """One key block of an online softmax: logits s [rows, n] f32 (-inf where masked; base 2
     if `base2`, else base e) and the V tile v [n, D] in the dots' dtype (None: the scores
-    alone, acc stays None) folded into the running (acc [rows, D] f32, max m [rows], sum l
-    [rows]); `dot(a, b)` is a @ b with f32 results. `empty_rows`: a row may see no key in
+    alone, acc stays None; a tuple of column parts from `load_fp8_pairs`, acc a tuple too)
+    folded into the running (acc [rows, D] f32, max m [rows], sum l [rows]); `dot(a, b)` is a @ b with f32 results. `empty_rows`: a row may see no key in
     the block (all -inf), and its alpha and weights must stay 0, not NaN.
 
     An fp8 V tile comes with its rows' scales v_scale [n] (`load_fp8`): the power of 2 below
@@ -382,7 +422,10 @@ def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_row
     l = alpha * l + jnp.sum(w if v_scale is None else w * inv_pow2[None, :], axis=1)
     if v_scale is not None:
         w = w * (v_scale * inv_pow2)[None, :]
-    if v is not None:
+    if isinstance(v, tuple):  # `load_fp8_pairs`' even and odd columns, an acc for each
+        w = w.astype(v[0].dtype)
+        acc = tuple(a * alpha[:, None] + dot(w, part) for a, part in zip(acc, v))
+    elif v is not None:
         acc = acc * alpha[:, None] + dot(w.astype(v.dtype), v)
     return acc, m_new, l
 
@@ -394,7 +437,10 @@ def softmax_result(acc, m, l, nonempty=None):
     `merge_partials` for an empty partial."""
     nonempty = l > 0 if nonempty is None else nonempty
     l_safe = jnp.where(nonempty, l, 1.0)
-    out = None if acc is None else acc / l_safe[:, None]
+    if isinstance(acc, tuple):
+        out = tuple(a / l_safe[:, None] for a in acc)
+    else:
+        out = None if acc is None else acc / l_safe[:, None]
     return out, jnp.where(nonempty, m * LN2 + jnp.log(l_safe), -jnp.inf)
 
 

@@ -155,7 +155,7 @@ class DecodeAttention(NamedTuple):
 def _decode_kernel(
     q_ref,  # [B, HQ, D]
     k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
-    v_ref,  # [num_pages * HK * P, D]
+    v_ref,  # [num_pages * HK * P, D]; an fp8 cache's as [.., D / 2] uint16 (`value_pairs`)
     page_table_ref,  # [B, max_pages] int32
     lengths_ref,  # [B] int32
     active_ref,  # [HK] int32: 0 for a KV head whose group is skipped
@@ -233,11 +233,10 @@ def _decode_kernel(
         # Masked gathers: nothing past the length is read (unwritten slots of the last page).
         k_scale = v_scale = None
         if quantized:  # fp8 rows as q's dtype for the dots; their scales fold in after
-            load = functools.partial(common.load_fp8, rows=slot, cols=cols[None, :],
-                                     row_mask=valid, dtype=q.dtype)
-            k, k_scale = load(k_ref, k_scale_ref)
+            k, k_scale = common.load_fp8(k_ref, k_scale_ref, slot, cols[None, :], valid,
+                                         q.dtype)
             if values:
-                v, v_scale = load(v_ref, v_scale_ref)
+                v, v_scale = common.load_fp8_pairs(v_ref, v_scale_ref, slot, valid, q.dtype)
         else:
             kv_index = (slot[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_index], mask=valid[:, None], other=0)  # [block_n, D]
@@ -261,7 +260,10 @@ def _decode_kernel(
             store_logits(j, valid, s, m_new if score_max is None else score_max)
         return acc, m_new, l, score_max, next_page_ids
 
-    acc = jnp.zeros((BLOCK_G, head_dim), jnp.float32) if values else None
+    acc = None
+    if values:  # an fp8 V tile comes as its even and odd columns, an accumulator for each
+        acc = (jnp.zeros((BLOCK_G, head_dim // 2), jnp.float32),) * 2 if quantized else (
+            jnp.zeros((BLOCK_G, head_dim), jnp.float32))
     m = jnp.full((BLOCK_G,), -jnp.inf, jnp.float32)
     l = jnp.zeros((BLOCK_G,), jnp.float32)
     score_max = m if score is not None and quantized and values else None
@@ -269,7 +271,13 @@ def _decode_kernel(
                                     (acc, m, l, score_max, block_page_ids(first)))
 
     out, lse = common.softmax_result(acc, m, l)
-    if values:
+    if values and quantized:
+        # Masked rows get distinct out-of-range rows: never written, never aliasing a real one.
+        row_ids = jnp.where(row_valid, h * group, out_ref.shape[2]) + jnp.arange(BLOCK_G)
+        for part, part_cols in common.column_parts(out, head_dim):
+            plgpu.store(out_ref.at[b, split, row_ids[:, None], part_cols], part,
+                        mask=jnp.broadcast_to(row_valid[:, None], part.shape))
+    elif values:
         plgpu.store(out_ref.at[b, split, pl.ds(h * group, BLOCK_G), :], out,
                     mask=row_valid[:, None])
     plgpu.store(lse_ref.at[b, split, pl.ds(h * group, BLOCK_G)], lse, mask=row_valid)
@@ -286,6 +294,8 @@ def _decode_pallas(q, k_pages, v_pages, page_table, lengths, active, k_scale, v_
     # Free reshape of the contiguous cache: no copy, page ids stay as the caller wrote them.
     k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
     v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    if k_scale is not None:
+        v_rows = common.value_pairs(v_rows)
 
     out_shape = [jax.ShapeDtypeStruct((batch, num_splits, q_heads), jnp.float32)]
     if values:

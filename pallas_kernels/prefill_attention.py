@@ -127,13 +127,16 @@ def _page_ids(page_table_ref, b, pos, valid, page_size):
 
 
 def _cache_rows(ref, pages, h, pos, valid, *, kv_heads, page_size, scale_ref=None,
-                dtype=None):
+                dtype=None, values=False):
     """Rows [len(pos), D] of the cache `ref` [num_pages * HK * P, D] at positions `pos` (on
     `pages`) of KV head h, and their scales: as stored and None, or with `scale_ref` (an fp8
-    cache's scales) the fp8 rows in `dtype`, q's, and [len(pos)] f32 scales that
-    `common.fold_scales` applies past the dots. Masked gathers read nothing where not
-    `valid`; valid=None reads every row without a mask."""
+    cache's scales) the fp8 rows in `dtype`, q's (V's, `values`, as their column pair,
+    `common.load_fp8_pairs`), and [len(pos)] f32 scales that `common.fold_scales` applies
+    past the dots. Masked gathers read nothing where not `valid`; valid=None reads every
+    row without a mask."""
     slot = common.cache_row(pages, h, pos, kv_heads=kv_heads, page_size=page_size)
+    if scale_ref is not None and values:
+        return common.load_fp8_pairs(ref, scale_ref, slot, valid, dtype)
     if scale_ref is not None:
         return common.load_fp8(ref, scale_ref, slot, jnp.arange(ref.shape[-1])[None, :],
                                valid, dtype)
@@ -164,7 +167,7 @@ def _softmax_step(q, k, v, keep, acc, m, l, *, scale, dot, k_scale=None, v_scale
 def _prefill_kernel(
     q_ref,  # [B * C * HQ, D]: one row per (row, query token, head)
     k_ref,  # [num_pages * HK * P, D]: the cache viewed as one row per (page, head, slot)
-    v_ref,  # [num_pages * HK * P, D]
+    v_ref,  # [num_pages * HK * P, D]; fp8: [.., D / 2] uint16 (`common.value_pairs`)
     page_table_ref,  # [B, max_pages] int32
     start_ref,  # [B] int32 position of each row's first query
     lengths_ref,  # [B] int32 valid queries per row
@@ -237,9 +240,9 @@ def _prefill_kernel(
         valid = at >= 0
         k_scale = v_scale = None
         if quantized:
-            load = functools.partial(common.load_fp8, rows=at, cols=cols[None, :],
-                                     row_mask=valid, dtype=q.dtype)
-            (k, k_scale), (v, v_scale) = load(k_ref, k_scale_ref), load(v_ref, v_scale_ref)
+            k, k_scale = common.load_fp8(k_ref, k_scale_ref, at, cols[None, :], valid,
+                                         q.dtype)
+            v, v_scale = common.load_fp8_pairs(v_ref, v_scale_ref, at, valid, q.dtype)
         else:
             kv_at = (at[:, None], cols[None, :])
             k = plgpu.load(k_ref.at[kv_at], mask=valid[:, None], other=0)
@@ -255,7 +258,7 @@ def _prefill_kernel(
                                     valid=valid if masked else None, kv_heads=kv_heads,
                                     page_size=page_size, dtype=q.dtype)
         k, k_scale = rows_at(k_ref, scale_ref=k_scale_ref)  # [block_n, D], [block_n] or None
-        v, v_scale = rows_at(v_ref, scale_ref=v_scale_ref)
+        v, v_scale = rows_at(v_ref, scale_ref=v_scale_ref, values=True)
         keep = None
         if masked:
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
@@ -264,6 +267,8 @@ def _prefill_kernel(
 
     scale = st.sm_scale * common.LOG2E
     acc = jnp.zeros((rows, head_dim), jnp.float32)
+    if quantized:  # fp8 V: its even and odd columns, an accumulator for each
+        acc = (jnp.zeros((rows, head_dim // 2), jnp.float32),) * 2
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     if sparse:
@@ -278,8 +283,10 @@ def _prefill_kernel(
     nonempty = (l > 0) & row_valid
     out, lse = common.softmax_result(acc, m, l, nonempty)
     stored = (token < chunk) & (member < group)
-    plgpu.store(out_ref.at[split, q_row[:, None], cols[None, :]],
-                jnp.where(nonempty[:, None], out, 0.0), mask=stored[:, None])
+    for part, part_cols in common.column_parts(out, head_dim):
+        plgpu.store(out_ref.at[split, q_row[:, None], part_cols],
+                    jnp.where(nonempty[:, None], part, 0.0),
+                    mask=jnp.broadcast_to(stored[:, None], part.shape))
     plgpu.store(lse_ref.at[split, q_row], lse, mask=stored)
 
 
@@ -311,6 +318,8 @@ def _prefill_pallas(q, k_pages, v_pages, page_table, start, lengths, indices, co
     k_rows = k_pages.reshape(-1, head_dim)
     v_rows = v_pages.reshape(-1, head_dim)
     quantized = k_scale is not None
+    if quantized:
+        v_rows = common.value_pairs(v_rows)
     kernel = functools.partial(_prefill_kernel, sparse=sparse, quantized=quantized, st=st)
     extra = ((_selected_rows(indices, count, page_table, start, tile=tile,
                              kv_heads=st.kv_heads, page_size=st.page_size), count)

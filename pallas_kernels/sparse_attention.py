@@ -223,10 +223,13 @@ def _load_queries(q_ref, prior_query_ref, prior_length_ref, b, head0, span, *, r
     return _QueryRows(r, is_q, is_prior, head, cols, qs, row_limit)
 
 
-def _gather(rows_ref, scale_ref, row, pos, cols, dtype):
+def _gather(rows_ref, scale_ref, row, pos, cols, dtype, values=False):
     """One step's K or V tile ([block_n, D]; zero where nothing is attended) and its rows'
     scales: as stored and None, or with `scale_ref` (an fp8 cache) the fp8 tile in `dtype`,
-    q's, and [block_n] f32 scales that `common.fold_scales` applies past the dots."""
+    q's (V's as its column pair, `common.load_fp8_pairs`), and [block_n] f32 scales that
+    `common.fold_scales` applies past the dots."""
+    if scale_ref is not None and values:
+        return common.load_fp8_pairs(rows_ref, scale_ref, row, pos >= 0, dtype)
     if scale_ref is not None:
         return common.load_fp8(rows_ref, scale_ref, row, cols, pos >= 0, dtype)
     tile_mask = jnp.broadcast_to((pos >= 0)[:, None], (pos.shape[0], cols.shape[1]))
@@ -282,7 +285,8 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
             k, k_scale = _gather(k_rows_ref, k_scale_ref, row, pos, queries.cols, dtype)
         else:
             s = given.load(stream.b, queries, pos)
-        v, v_scale = _gather(v_rows_ref, v_scale_ref, row, pos, queries.cols, dtype)
+        v, v_scale = _gather(v_rows_ref, v_scale_ref, row, pos, queries.cols, dtype,
+                             values=True)
         if lookahead == 1:
             ahead = list(stream.coords(i + 1, stream.entries(i + 1)))
         elif lookahead == 2:
@@ -295,6 +299,8 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
 
     block_h, head_dim = queries.qs.shape
     acc = jnp.zeros((block_h, head_dim), jnp.float32)
+    if v_scale_ref is not None:  # fp8 V: its even and odd columns, an accumulator for each
+        acc = (jnp.zeros((block_h, head_dim // 2), jnp.float32),) * 2
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
     ahead = ()
@@ -320,8 +326,9 @@ def _write(queries: _QueryRows, acc, m, l, b, split, out_ref, lse_ref, prior_out
         # A partial with nothing attended writes only its lse (-inf): the merge zeroes its
         # out, so empty programs (most of a dense-head grid) cost no partial bytes.
         written = rows_here if direct else rows_here & nonempty
-        plgpu.store(o_ref.at[split, b, dst[:, None], queries.cols], out.astype(o_ref.dtype),
-                    mask=_row_mask(written, out.shape[1]))
+        for part, cols in common.column_parts(out, queries.qs.shape[1]):
+            plgpu.store(o_ref.at[split, b, dst[:, None], cols], part.astype(o_ref.dtype),
+                        mask=_row_mask(written, part.shape[1]))
         plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
 
 
@@ -332,7 +339,7 @@ def _sparse_decode_kernel(
     count_ref,  # [B, G] int32
     q_ref,  # [B, HQ, D]
     k_rows_ref,  # [num_pages * HK * P, D]: row (page * HK + h) * P + slot
-    v_rows_ref,  # [num_pages * HK * P, D]
+    v_rows_ref,  # [num_pages * HK * P, D]; fp8: [.., D / 2] uint16 (`common.value_pairs`)
     *refs,  # optional inputs, then outputs; see the unpacking below
     mode: str,
     has_head_map: bool,
@@ -475,6 +482,8 @@ def _sparse_decode_pallas(q, k_pages, v_pages, page_table, lengths, indices, cou
     # Free reshape of the contiguous cache: one row per (page, head, slot), as the dense kernel.
     k_rows = k_pages.reshape(num_pages * kv_heads * page_size, head_dim)
     v_rows = v_pages.reshape(num_pages * kv_heads * page_size, head_dim)
+    if v_scale is not None:
+        v_rows = common.value_pairs(v_rows)
 
     if logits_relative is not None:
         k_scale = None  # given logits: no K is read
