@@ -439,7 +439,7 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     num_warps: 2 for purely sparse work at D <= 128 (the M=16 dots need no more, and 2 beat
       4 in every Kascade and DELTA case measured), 4 with dense heads, given logits or
       D = 256.
-    num_stages: 2; 4 on an fp8 cache (`fp8_cache`) without given logits, whose half-size
+    num_stages: 2; 3 on an fp8 cache (`fp8_cache`) without given logits, whose half-size
       tiles leave fewer bytes in flight per stage.
     lookahead: 2 (the lookups never wait for each other; see the module docstring).
     The measurements are in docs/tuning.md.
@@ -453,7 +453,7 @@ def default_tuning(head_dim: int, row_groups: int, sparse_tokens: int, dense_tok
     split = _split_tokens(sparse_tokens, splits, block_n)
     split = max(split, _split_tokens(dense_tokens, _MAX_DENSE_SPLITS, block_n))
     num_warps = 2 if dense_tokens == 0 and head_dim <= 128 and not given_logits else 4
-    num_stages = 4 if fp8_cache and not given_logits else 2
+    num_stages = 3 if fp8_cache and not given_logits else 2
     return {"block_n": block_n, "split_tokens": split, "num_warps": num_warps,
             "num_stages": num_stages, "lookahead": 2}
 
