@@ -42,17 +42,18 @@ def variant(kind: str):
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = exp(m - m_new)
         w = exp(s - m_new[:, None])
+        peak = None
         if kind == "logexp":
             l = alpha * l + jnp.sum(w * exp(-bias)[None, :], axis=1)
-            pv = dot(w.astype(v.dtype), v)
         elif kind == "peak":
             l = alpha * l + jnp.sum(w, axis=1)
             peak = jnp.maximum(jnp.max(v_scale), 1e-30)
-            pv = dot((w * (v_scale / peak)[None, :]).astype(v.dtype), v) * peak
+            w = w * (v_scale / peak)[None, :]
         else:
             l = alpha * l + jnp.sum(w, axis=1)
-            pv = dot((w * v_scale[None, :]).astype(v.dtype), v)
-        return acc * alpha[:, None] + pv, m_new, l
+            w = w * v_scale[None, :]
+        pv_dot = dot if peak is None else (lambda a, b: dot(a, b) * peak)
+        return common.accumulate_values(acc, alpha, w, v, pv_dot), m_new, l
     return step
 
 

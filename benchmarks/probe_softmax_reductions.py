@@ -45,7 +45,7 @@ def variant(kind: str):
         l = alpha * l + (1.0 if kind in ("nosum", "nored")
                          else jnp.sum(w * inv_pow2[None, :], axis=1))
         w = w * (v_scale * inv_pow2)[None, :]
-        return acc * alpha[:, None] + dot(w.astype(v.dtype), v), m_new, l
+        return common.accumulate_values(acc, alpha, w, v, dot), m_new, l
     return step
 
 

@@ -422,12 +422,19 @@ def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_row
     l = alpha * l + jnp.sum(w if v_scale is None else w * inv_pow2[None, :], axis=1)
     if v_scale is not None:
         w = w * (v_scale * inv_pow2)[None, :]
-    if isinstance(v, tuple):  # `load_fp8_pairs`' even and odd columns, an acc for each
-        w = w.astype(v[0].dtype)
-        acc = tuple(a * alpha[:, None] + dot(w, part) for a, part in zip(acc, v))
-    elif v is not None:
-        acc = acc * alpha[:, None] + dot(w.astype(v.dtype), v)
+    if v is not None:
+        acc = accumulate_values(acc, alpha, w, v, dot)
     return acc, m_new, l
+
+
+def accumulate_values(acc, alpha, w, v, dot):
+    """acc * alpha + w @ v, the online softmax's value update (weights w [rows, n] f32 cast to
+    v's dtype for the dot); for `load_fp8_pairs`' (even, odd) V tile, acc is a pair too and
+    each part takes its own dot."""
+    if isinstance(v, tuple):
+        w = w.astype(v[0].dtype)
+        return tuple(a * alpha[:, None] + dot(w, part) for a, part in zip(acc, v))
+    return acc * alpha[:, None] + dot(w.astype(v.dtype), v)
 
 
 def softmax_result(acc, m, l, nonempty=None):
