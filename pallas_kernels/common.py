@@ -6,10 +6,11 @@ fp8 cache: k/v pages in float8_e4m3fn with one float32 scale per (page, KV head,
 scales shaped as the pages without head_dim. Every kernel takes them as `k_scale`/`v_scale`
 and reads a K tile through `load_fp8`: the fp8 rows converted to q's dtype (exact) and
 their scales, unapplied; a V tile through `load_fp8_pairs`, the same values as two halves of
-alternate columns, read as 16-bit words (`value_pairs`). `fold_scales` applies each row's scale past the dot, to the [.., n]
-logits q.k, not to the [n, D] tile: a multiply per logit instead of one per element. Each V
-row's scale enters the online softmax as a logit bias (`online_softmax_step`). `dequantize`
-is the formula itself; the references apply it to the pages they gather (`gather_pages`).
+alternate columns, read as 16-bit words (`value_pairs`). `fold_scales` applies each row's
+scale past the dot, to the [.., n] logits q.k, not to the [n, D] tile: a multiply per logit
+instead of one per element. Each V row's scale enters the online softmax as a logit bias
+(`online_softmax_step`). `dequantize` is the formula itself; the references apply it to the
+pages they gather (`gather_pages`).
 
 Tuning convention: every kernel file has a public `default_tuning(shapes...) -> dict` of its
 static knobs, and its entry point takes each knob as an explicit keyword (None: the default),
@@ -318,16 +319,20 @@ def load_fp8(ref, scale_ref, rows, cols, row_mask, dtype):
     exactly to bf16, f16 and f32, so the dots (in q's dtype, `dtype`) take them unrounded;
     `fold_scales` applies the scales after. row_mask [n] (None: every row) reads nothing
     where False; those rows are 0 with scale 0."""
-    at = ref.at[rows[:, None], cols]
-    if row_mask is None:
-        x, scale = plgpu.load(at), plgpu.load(scale_ref.at[rows])
-    else:
-        # A float fill: Pallas-Triton has no integer -> fp8 cast.
-        x = plgpu.load(at, mask=jnp.broadcast_to(row_mask[:, None], (rows.shape[0],
-                                                                     cols.shape[-1])),
-                       other=0.0)
-        scale = plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0)
+    # A float fill: Pallas-Triton has no integer -> fp8 cast.
+    x, scale = _load_rows(ref.at[rows[:, None], cols], scale_ref, rows, cols.shape[-1],
+                          row_mask, fill=0.0)
     return x.astype(dtype), scale
+
+
+def _load_rows(at, scale_ref, rows, width: int, row_mask, fill):
+    """The [n, width] tile `at` of rows `rows` [n] and those rows' scales; row_mask [n] (None:
+    every row) reads nothing where False: `fill` there, scale 0."""
+    if row_mask is None:
+        return plgpu.load(at), plgpu.load(scale_ref.at[rows])
+    return (plgpu.load(at, mask=jnp.broadcast_to(row_mask[:, None], (rows.shape[0], width)),
+                       other=fill),
+            plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0))
 
 
 def value_pairs(v_rows):
@@ -345,14 +350,10 @@ def load_fp8_pairs(ref, scale_ref, rows, row_mask, dtype):
     """`load_fp8` of a V tile from `value_pairs`' view `ref` [R, D / 2] -> ((even, odd)
     [n, D / 2] in `dtype`: columns 0, 2, .. and 1, 3, .. of the stored rows, unscaled; scale
     [n] f32). The online softmax takes the pair as its V tile (two dots of N = D / 2) and
-    keeps an accumulator for each; `column_parts` says where each lands."""
-    at = ref.at[rows[:, None], jnp.arange(ref.shape[-1])[None, :]]
-    if row_mask is None:
-        words, scale = plgpu.load(at), plgpu.load(scale_ref.at[rows])
-    else:
-        words = plgpu.load(at, mask=jnp.broadcast_to(row_mask[:, None],
-                                                     (rows.shape[0], ref.shape[-1])), other=0)
-        scale = plgpu.load(scale_ref.at[rows], mask=row_mask, other=0.0)
+    keeps an accumulator for each (`zero_values`); `column_parts` says where each lands."""
+    width = ref.shape[-1]
+    words, scale = _load_rows(ref.at[rows[:, None], jnp.arange(width)[None, :]], scale_ref,
+                              rows, width, row_mask, fill=0)
 
     def as_values(byte):  # e4m3 bits in the low byte -> dtype, exact
         return lax.bitcast_convert_type(byte.astype(jnp.uint8), FP8).astype(dtype)
@@ -360,13 +361,22 @@ def load_fp8_pairs(ref, scale_ref, rows, row_mask, dtype):
     return (as_values(words & 0xFF), as_values(words >> 8)), scale
 
 
-def column_parts(out, head_dim: int):
+def zero_values(rows: int, head_dim: int, pairs: bool):
+    """The online softmax's value accumulator at the start: [rows, D] f32 zeros, or with
+    `load_fp8_pairs`' V tiles (`pairs`) one [rows, D / 2] for the even and one for the odd
+    columns."""
+    if pairs:
+        return (jnp.zeros((rows, head_dim // 2), jnp.float32),) * 2
+    return jnp.zeros((rows, head_dim), jnp.float32)
+
+
+def column_parts(out):
     """An online softmax's result [rows, D], or the (even, odd) halves an fp8 V tile's pair
     (`load_fp8_pairs`) gives -> [(tile, its columns [1, n])], for the kernels' stores."""
     if not isinstance(out, tuple):
-        return [(out, jnp.arange(head_dim)[None, :])]
-    half = 2 * jnp.arange(head_dim // 2)[None, :]
-    return [(out[0], half), (out[1], half + 1)]
+        return [(out, jnp.arange(out.shape[1])[None, :])]
+    even = 2 * jnp.arange(out[0].shape[1])[None, :]
+    return [(out[0], even), (out[1], even + 1)]
 
 
 def fold_scales(x, scale, axis: int):
@@ -399,8 +409,9 @@ def online_softmax_step(s, v, v_scale, acc, m, l, dot, *, base2: bool, empty_row
     """One key block of an online softmax: logits s [rows, n] f32 (-inf where masked; base 2
     if `base2`, else base e) and the V tile v [n, D] in the dots' dtype (None: the scores
     alone, acc stays None; a tuple of column parts from `load_fp8_pairs`, acc a tuple too)
-    folded into the running (acc [rows, D] f32, max m [rows], sum l [rows]); `dot(a, b)` is a @ b with f32 results. `empty_rows`: a row may see no key in
-    the block (all -inf), and its alpha and weights must stay 0, not NaN.
+    folded into the running (acc [rows, D] f32, max m [rows], sum l [rows]); `dot(a, b)` is
+    a @ b with f32 results. `empty_rows`: a row may see no key in the block (all -inf), and
+    its alpha and weights must stay 0, not NaN.
 
     An fp8 V tile comes with its rows' scales v_scale [n] (`load_fp8`): the power of 2 below
     each scale, 2**e, enters as a logit bias, w = exp(s + e log 2 - m), the dot takes

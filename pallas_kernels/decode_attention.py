@@ -260,10 +260,7 @@ def _decode_kernel(
             store_logits(j, valid, s, m_new if score_max is None else score_max)
         return acc, m_new, l, score_max, next_page_ids
 
-    acc = None
-    if values:  # an fp8 V tile comes as its even and odd columns, an accumulator for each
-        acc = (jnp.zeros((BLOCK_G, head_dim // 2), jnp.float32),) * 2 if quantized else (
-            jnp.zeros((BLOCK_G, head_dim), jnp.float32))
+    acc = common.zero_values(BLOCK_G, head_dim, pairs=quantized) if values else None
     m = jnp.full((BLOCK_G,), -jnp.inf, jnp.float32)
     l = jnp.zeros((BLOCK_G,), jnp.float32)
     score_max = m if score is not None and quantized and values else None
@@ -274,7 +271,7 @@ def _decode_kernel(
     if values and quantized:
         # Masked rows get distinct out-of-range rows: never written, never aliasing a real one.
         row_ids = jnp.where(row_valid, h * group, out_ref.shape[2]) + jnp.arange(BLOCK_G)
-        for part, part_cols in common.column_parts(out, head_dim):
+        for part, part_cols in common.column_parts(out):
             plgpu.store(out_ref.at[b, split, row_ids[:, None], part_cols], part,
                         mask=jnp.broadcast_to(row_valid[:, None], part.shape))
     elif values:

@@ -266,9 +266,7 @@ def _prefill_kernel(
                                k_scale=k_scale, v_scale=v_scale), ahead)
 
     scale = st.sm_scale * common.LOG2E
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    if quantized:  # fp8 V: its even and odd columns, an accumulator for each
-        acc = (jnp.zeros((rows, head_dim // 2), jnp.float32),) * 2
+    acc = common.zero_values(rows, head_dim, pairs=quantized)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
     if sparse:
@@ -283,7 +281,7 @@ def _prefill_kernel(
     nonempty = (l > 0) & row_valid
     out, lse = common.softmax_result(acc, m, l, nonempty)
     stored = (token < chunk) & (member < group)
-    for part, part_cols in common.column_parts(out, head_dim):
+    for part, part_cols in common.column_parts(out):
         plgpu.store(out_ref.at[split, q_row[:, None], part_cols],
                     jnp.where(nonempty[:, None], part, 0.0),
                     mask=jnp.broadcast_to(stored[:, None], part.shape))

@@ -298,9 +298,7 @@ def _attend_stream(stream: _Stream, queries: _QueryRows, k_rows_ref, v_rows_ref,
         return (*_online_softmax(queries, s, v, v_scale, pos, acc, m, l), *ahead)
 
     block_h, head_dim = queries.qs.shape
-    acc = jnp.zeros((block_h, head_dim), jnp.float32)
-    if v_scale_ref is not None:  # fp8 V: its even and odd columns, an accumulator for each
-        acc = (jnp.zeros((block_h, head_dim // 2), jnp.float32),) * 2
+    acc = common.zero_values(block_h, head_dim, pairs=v_scale_ref is not None)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
     ahead = ()
@@ -326,7 +324,7 @@ def _write(queries: _QueryRows, acc, m, l, b, split, out_ref, lse_ref, prior_out
         # A partial with nothing attended writes only its lse (-inf): the merge zeroes its
         # out, so empty programs (most of a dense-head grid) cost no partial bytes.
         written = rows_here if direct else rows_here & nonempty
-        for part, cols in common.column_parts(out, queries.qs.shape[1]):
+        for part, cols in common.column_parts(out):
             plgpu.store(o_ref.at[split, b, dst[:, None], cols], part.astype(o_ref.dtype),
                         mask=_row_mask(written, part.shape[1]))
         plgpu.store(l_ref.at[split, b, dst], lse, mask=rows_here)
